@@ -1,0 +1,63 @@
+"""Process-group start-up and device choice: torchrun's environment in, (rank, world_size, device) out.
+
+Launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set) this initialises NCCL on
+GPUs or gloo on CPUs; run plainly it is a single process and creates no process group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fourfold.errors import ConfigError
+
+
+@dataclass
+class DistEnv:
+    """Where this process runs: its global rank, the world size and the torch device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """'auto' -> cuda:<local_rank> when CUDA is available, else cpu; 'cuda' without a GPU is an error."""
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device is 'cuda' but this machine has no usable CUDA GPU; use --train.device cpu.")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's variables, or (0, 1, 0) when not launched by it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    return rank, world, local
+
+
+def init_distributed(device_name: str = "auto") -> DistEnv:
+    """Initialise torch.distributed if launched with several ranks; call after the layout is validated."""
+    rank, world, local = world_from_env()
+    device = pick_device(device_name, local)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
+    return DistEnv(rank=rank, world_size=world, local_rank=local, device=device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

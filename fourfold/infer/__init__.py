@@ -1,0 +1,1 @@
+"""Inference: sampling and generation (the full engine comes later)."""

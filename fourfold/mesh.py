@@ -1,0 +1,166 @@
+"""The one parallel mesh: validates a layout, then owns every process group through a named DeviceMesh.
+
+    layout = ParallelMesh.build(cfg, world_size, rank, device_type)   # validates first
+    tp_mesh = layout.get("tp")          # a 1-D DeviceMesh, or None when tp == 1
+    layout.size("fsdp"), layout.local_rank("tp")
+
+Dimension order, outermost first: pp, dp, fsdp, cp, tp. Tensor parallel is innermost so its
+per-layer collectives stay between neighbouring ranks (the same node, the fastest links); pipeline is
+outermost because it sends the least. Only dimensions larger than one become mesh dimensions.
+`validate_layout` runs before any process group is created; nothing else in fourfold calls `new_group`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fourfold.config import Config
+from fourfold.errors import LayoutError
+
+DIM_ORDER = ("pp", "dp", "fsdp", "cp", "tp")
+
+
+def layout_sizes(cfg: Config) -> dict[str, int]:
+    p = cfg.parallel
+    return {"pp": p.pp, "dp": p.dp, "fsdp": p.fsdp, "cp": p.cp, "tp": p.tp}
+
+
+def grad_accumulation_steps(cfg: Config) -> int:
+    """Micro-steps per optimizer step: global_batch / (micro_batch * dp * fsdp)."""
+    t, p = cfg.train, cfg.parallel
+    return t.global_batch // (t.micro_batch * p.dp * p.fsdp)
+
+
+def validate_layout(cfg: Config, world_size: int) -> None:
+    """Raise LayoutError, saying what to change, if the layout cannot run on `world_size` ranks."""
+    sizes = layout_sizes(cfg)
+    product = 1
+    for v in sizes.values():
+        product *= v
+    shown = " x ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "a single rank"
+    if product != world_size:
+        raise LayoutError(
+            f"The layout {shown} uses {product} ranks but {world_size} were started. Make "
+            f"parallel.pp * dp * fsdp * cp * tp equal {world_size} (for pure data parallel: --parallel.fsdp "
+            f"{world_size} or --parallel.dp {world_size}), or start {product} processes "
+            f"(torchrun --nproc-per-node {product})."
+        )
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if p.tp > 1:
+        for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                            ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)):
+            if value % p.tp:
+                raise LayoutError(
+                    f"parallel.tp={p.tp} must divide {name} ({value}): tensor parallel splits it across "
+                    f"ranks. Pick a tp that divides {value}."
+                )
+        if p.sequence_parallel and t.seq_len % p.tp:
+            raise LayoutError(f"Sequence parallel splits train.seq_len ({t.seq_len}) across tp={p.tp} ranks; "
+                              "make seq_len a multiple of tp or set --parallel.sequence_parallel false.")
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        raise LayoutError(f"Context parallel splits each sequence into 2*cp={2 * p.cp} chunks (load balance); "
+                          f"train.seq_len ({t.seq_len}) must be a multiple of {2 * p.cp}.")
+    stages = p.pp * p.vpp
+    if p.vpp > 1 and p.pp_schedule not in ("interleaved-1f1b", "zero-bubble"):
+        raise LayoutError(f"parallel.vpp={p.vpp} needs an interleaved schedule; set "
+                          "--parallel.pp_schedule interleaved-1f1b or --parallel.vpp 1.")
+    if m.n_layers < stages:
+        raise LayoutError(f"model.n_layers ({m.n_layers}) is fewer than the pp*vpp={stages} pipeline stages; "
+                          "lower parallel.pp or parallel.vpp.")
+    if p.pp > 1 and m.tie_embeddings:
+        raise LayoutError("Tied embeddings put one weight on the first and last pipeline stages; set "
+                          "--model.tie_embeddings false or --parallel.pp 1.")
+    per_step = t.micro_batch * p.dp * p.fsdp
+    if t.global_batch % per_step:
+        raise LayoutError(
+            f"train.global_batch ({t.global_batch}) must be a multiple of micro_batch * dp * fsdp = "
+            f"{t.micro_batch} * {p.dp} * {p.fsdp} = {per_step}. Change train.micro_batch or the global batch."
+        )
+    if p.pp > 1:
+        micro = p.pp_microbatches or grad_accumulation_steps(cfg)
+        if p.pp_microbatches and p.pp_microbatches != grad_accumulation_steps(cfg):
+            raise LayoutError(
+                f"parallel.pp_microbatches ({p.pp_microbatches}) must equal global_batch / (micro_batch * dp "
+                f"* fsdp) = {grad_accumulation_steps(cfg)}; set it to 0 to derive it."
+            )
+        if p.pp_schedule == "interleaved-1f1b" and micro % p.pp:
+            raise LayoutError(f"Interleaved 1F1B needs the micro-batches per step ({micro}) to be a multiple of "
+                              f"pp ({p.pp}); change train.global_batch or train.micro_batch.")
+
+
+@dataclass
+class ParallelMesh:
+    """Named parallel dimensions over the world; `mesh` is None in a single process."""
+
+    sizes: dict[str, int]
+    rank: int = 0
+    world_size: int = 1
+    mesh: DeviceMesh | None = None
+    coords: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg: Config, world_size: int = 1, rank: int = 0, device_type: str = "cpu") -> "ParallelMesh":
+        """Validate the layout, then (if world_size > 1) create the DeviceMesh and its process groups."""
+        validate_layout(cfg, world_size)
+        sizes = layout_sizes(cfg)
+        names = tuple(d for d in DIM_ORDER if sizes[d] > 1)
+        coords = _coordinates(sizes, rank)
+        if world_size == 1 or not names:
+            return cls(sizes=sizes, rank=rank, world_size=world_size, mesh=None, coords=coords)
+        if not dist.is_initialized():
+            raise LayoutError("A layout over several ranks needs torch.distributed initialised; launch with "
+                              "torchrun or `fourfold train --nproc N`.")
+        mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+        return cls(sizes=sizes, rank=rank, world_size=world_size, mesh=mesh, coords=coords)
+
+    def size(self, name: str) -> int:
+        return self.sizes[name]
+
+    def local_rank(self, name: str) -> int:
+        """This rank's coordinate along dimension `name` (0 when the dimension has size 1)."""
+        return self.coords[name]
+
+    def get(self, *names: str) -> DeviceMesh | None:
+        """The sub-mesh over the given dimensions that are larger than one, or None if all are size one."""
+        present = tuple(n for n in names if self.sizes[n] > 1)
+        if not present or self.mesh is None:
+            return None
+        return self.mesh[present] if len(present) > 1 else self.mesh[present[0]]
+
+    def group(self, name: str):
+        """The process group of one dimension, or None when it has size one."""
+        sub = self.get(name)
+        return None if sub is None else sub.get_group()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data: dp * fsdp."""
+        return self.sizes["dp"] * self.sizes["fsdp"]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.coords["dp"] * self.sizes["fsdp"] + self.coords["fsdp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.sizes["pp"] - 1
+
+    def describe(self) -> str:
+        used = [f"{n}={self.sizes[n]}" for n in DIM_ORDER if self.sizes[n] > 1]
+        return " x ".join(used) if used else "single process"
+
+
+def _coordinates(sizes: dict[str, int], rank: int) -> dict[str, int]:
+    """Row-major coordinates of `rank` in the (pp, dp, fsdp, cp, tp) grid, tp fastest."""
+    coords = {}
+    for name in reversed(DIM_ORDER):
+        coords[name] = rank % sizes[name]
+        rank //= sizes[name]
+    return coords

@@ -1,0 +1,1 @@
+"""Llama model definitions and named presets."""

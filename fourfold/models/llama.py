@@ -1,0 +1,206 @@
+"""The Llama model, written once in plain PyTorch; every parallel layout is applied to it from outside.
+
+Token embedding -> N x [RMSNorm -> grouped-query attention with rotary positions -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> output head. Shapes follow Hugging Face's
+`LlamaForCausalLM` (rotate-half rotary, `[out, in]` linear weights), so weights convert by renaming.
+
+Hooks the parallel code relies on:
+- `layers` is a ModuleDict keyed "0".."N-1": pipeline stages delete the blocks they do not own and keep
+  the parameter names (so checkpoints reshard between layouts by name).
+- `tok_embeddings`, `norm` and `output` may be set to None on middle pipeline stages; `forward` then
+  takes and returns hidden states.
+- Attention heads are inferred from tensor shapes (`view(b, s, -1, head_dim)`), so tensor parallel
+  only has to shard the weights.
+- The attention core (`Attention.core`) is a module of its own: context parallel swaps it for ring
+  attention, selective recomputation wraps it.
+- `forward(tokens, positions=None)`: `positions` gives each token's absolute position (context
+  parallel passes its chunk's positions); by default 0..seq-1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def rotary_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with Llama-3 frequency scaling when `scaling` is set."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_seq_len"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    smooth = ((old_len / wavelen) - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    between = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (max_seq_len, head_dim), float32, rotate-half layout."""
+    inv_freq = rotary_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (batch, seq, heads, head_dim) by per-position angles; cos/sin are (seq, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+class CausalAttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v for q (b, hq, s, d) and k, v (b, hkv, s, d), hq % hkv == 0."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:
+            repeat = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttentionCore()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """A Llama-family decoder; `forward(tokens)` returns logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) for embeddings and linears, residual outputs scaled by 1/sqrt(2 * n_layers)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                p.normal_(0.0, std)
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        if positions is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, non-embedding) parameter counts from the config alone (no model is built).
+
+    Non-embedding means every parameter except the token-embedding table; the output head is counted
+    because it does matrix work (with tied embeddings its matrix is counted once, as the head).
+    """
+    d, f, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
+    block = attn + 3 * d * f + 2 * d
+    head = cfg.vocab_size * d
+    non_embedding = cfg.n_layers * block + d + head
+    total = non_embedding + (0 if cfg.tie_embeddings else cfg.vocab_size * d)
+    return total, non_embedding
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token, forward + backward: 6 * N_non_embedding + 12 * layers * dim * seq.
+
+    The second term is attention's score and value products (no causal halving, as in the PaLM paper's
+    MFU definition), so MFU is comparable with Megatron's and torchtitan's figures.
+    """
+    _, non_embedding = parameter_counts(cfg)
+    return 6.0 * non_embedding + 12.0 * cfg.n_layers * cfg.dim * seq_len

@@ -1,0 +1,1 @@
+"""Parallelism applied to the model from outside: data, tensor, sequence, context and pipeline."""

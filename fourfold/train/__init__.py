@@ -1,0 +1,1 @@
+"""Training: trainer loop, data pipeline, checkpoints and metrics."""
