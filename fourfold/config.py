@@ -80,6 +80,28 @@ class ParallelConfig:
     """With tp > 1, shard norms and residuals along the sequence."""
     zero: int = 3
     """Sharding stage used when fsdp > 1: 1 (optimizer state), 2 (+gradients) or 3 (+parameters)."""
+    bucket_mb: float = 25.0
+    """DDP gradient bucket size in MiB (all-reduce overlapped with backward)."""
+    hierarchical_allreduce: bool = False
+    """DDP: reduce-scatter inside a node, all-reduce across nodes, all-gather inside the node."""
+    gpus_per_node: int = 0
+    """Ranks per node for HSDP and hierarchical all-reduce; 0 reads LOCAL_WORLD_SIZE."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (re-gather for backward)."""
+    prefetch: int = 1
+    """FSDP: blocks whose parameters are all-gathered ahead of use (forward and backward)."""
+    max_inflight_allgathers: int = 2
+    """FSDP: cap on parameter all-gathers in flight at once."""
+    cpu_offload: bool = False
+    """Keep sharded optimizer state (and parameters under FSDP) in CPU memory."""
+    param_dtype: str = "fp32"
+    """Dtype parameters are computed in under data parallel: fp32, bf16 or fp16 (fp32 master copies kept)."""
+    reduce_dtype: str = "fp32"
+    """Dtype gradients are reduced in: fp32, bf16 or fp16."""
+    cp_method: str = "ring"
+    """Context-parallel attention: ring (pass K/V around the ring) or allgather (gather K/V once)."""
+    pp_layers: Optional[list] = None
+    """Blocks per pipeline stage (pp * vpp entries summing to n_layers); unset splits evenly."""
 
 
 @dataclass
@@ -116,6 +138,12 @@ class TrainConfig:
     """torch.compile each block."""
     recompute: str = "none"
     """Activation recomputation: none, full, selective or every-N (e.g. every-2)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the cross-entropy (bounds fp32 logits memory); 0 computes it in one piece."""
+    fused_kernels: bool = False
+    """Use optional fused GPU kernels (Liger-Kernel) where installed."""
+    float8: bool = False
+    """float8 matmuls for the linear layers on Hopper GPUs (torchao), where available."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     val_every: int = 50
@@ -156,6 +184,8 @@ class LogConfig:
     """Also write TensorBoard events (needs the tb extra)."""
     progress: bool = True
     """Show the rich progress bar (rank 0)."""
+    profile: bool = False
+    """Record a torch.profiler trace of a few steps into the run directory."""
 
 
 @dataclass
@@ -199,7 +229,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             raise ConfigError(f"{key} takes a value of type {getattr(typ, '__name__', typ)}, not '{value}'.") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if typ in (int, float, str, bool, dict):
+    if typ is list and isinstance(value, tuple):
+        value = list(value)
+    if typ in (int, float, str, bool, dict, list):
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise ConfigError(f"{key} takes a value of type {typ.__name__}, not {value!r} ({type(value).__name__}).")
     return value
@@ -325,6 +357,11 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.pp_schedule not in PP_SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule '{cfg.parallel.pp_schedule}' is not one of "
                           f"{', '.join(PP_SCHEDULES)}.{closest(cfg.parallel.pp_schedule, PP_SCHEDULES)}")
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(cfg.parallel, key) not in PRECISIONS:
+            raise ConfigError(f"parallel.{key} '{getattr(cfg.parallel, key)}' is not one of {', '.join(PRECISIONS)}.")
+    if cfg.parallel.cp_method not in ("ring", "allgather"):
+        raise ConfigError(f"parallel.cp_method '{cfg.parallel.cp_method}' is not one of ring, allgather.")
     if cfg.parallel.zero not in (1, 2, 3):
         raise ConfigError(f"parallel.zero must be 1, 2 or 3, got {cfg.parallel.zero}.")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
@@ -356,6 +393,8 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
     raise TypeError(f"cannot write {v!r} as TOML")

@@ -1,0 +1,49 @@
+"""AdamW with decay groups, and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fourfold.config import TrainConfig
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two parameter groups: matrices and embeddings decay, norms (1-D parameters) do not."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def adamw_kwargs(cfg: TrainConfig, device: torch.device) -> dict:
+    """AdamW arguments; the fused implementation where the device supports it (CUDA), foreach otherwise."""
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if device.type == "cuda":
+        kwargs["fused"] = True
+    else:
+        kwargs["foreach"] = True
+    return kwargs
+
+
+def build_adamw(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(decay_groups(model, cfg.weight_decay), **adamw_kwargs(cfg, device))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine down to min_lr_ratio * lr."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
