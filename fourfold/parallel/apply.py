@@ -1,0 +1,48 @@
+"""Apply a layout to a model: tensor/sequence parallel, context parallel, recomputation, compile, data parallel.
+
+    model = parallelize(model, mesh, cfg, dp)   # dp: fourfold.parallel.data.DataParallel
+
+The order matters, and is the one torchtitan uses:
+1. Tensor (and sequence) parallel first: it replaces weights with DTensors sharded on the tp mesh;
+   everything after sees the sharded weights.
+2. Context parallel swaps the attention core; it must precede recomputation so the ring attention is
+   inside the recomputed region like the core it replaces.
+3. Activation recomputation wraps blocks (or ops) before compile, so compile traces the checkpointed
+   region and can fuse the recomputation.
+4. torch.compile per block (regional): short compile time, and each block is compiled once and reused.
+5. Data parallel last: FSDP's fully_shard shards whatever parameters the earlier steps left (DTensors
+   on the tp mesh included), and its hooks go around the compiled blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fourfold.config import Config
+from fourfold.mesh import ParallelMesh
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each transformer block in place (regional compilation)."""
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, torch.compile(block, fullgraph=False))
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: Config, dp) -> nn.Module:
+    """Apply every parallel dimension of `cfg` to `model` (one pipeline chunk or the whole model)."""
+    if mesh.size("tp") > 1:
+        from fourfold.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.get("tp"), cfg.parallel.sequence_parallel)
+    if mesh.size("cp") > 1:
+        from fourfold.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, mesh.get("cp"), cfg.parallel.cp_method)
+    if cfg.train.recompute != "none":
+        from fourfold.recompute import apply_recompute
+
+        apply_recompute(model, cfg.train.recompute)
+    if cfg.train.compile:
+        compile_blocks(model)
+    return dp.wrap(model)

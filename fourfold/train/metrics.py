@@ -1,0 +1,106 @@
+"""Training metrics: JSON-lines records, optional TensorBoard, and the rich console progress bar.
+
+Only rank 0 creates a writer; `metrics.jsonl` holds one JSON object per record with `step`, `loss`,
+`lr`, `grad_norm`, `tokens_per_s`, `mfu`, `peak_mem_bytes` (validation records carry `val_loss` and
+`val_ppl`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class MetricsWriter:
+    """Appends records to run_dir/metrics.jsonl and, if asked and installed, TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False, console: Console | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.file = open(self.path, "a", buffering=1)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                (console or Console(stderr=True)).print(
+                    "[yellow]log.tensorboard is on but tensorboard is not installed "
+                    "(pip install 'fourfold[tb]'); writing metrics.jsonl only.[/]")
+            else:
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        clean = {k: _json_number(v) for k, v in record.items()}
+        self.file.write(json.dumps(clean) + "\n")
+        if self.tb is not None:
+            for key, value in clean.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, clean["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _json_number(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """All records of a run directory's metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class TrainProgress:
+    """A rich progress bar with ETA and the live loss, tokens/s, MFU and memory; disabled off rank 0."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console):
+        self.enabled = enabled
+        self.console = console
+        if not enabled:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+            console=console, transient=False, refresh_per_second=4,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self.progress.start()
+
+    def update(self, step: int, record: dict | None = None) -> None:
+        if not self.enabled:
+            return
+        info = None
+        if record is not None:
+            parts = [f"loss {record['loss']:.4f}", f"{record['tokens_per_s']:,.0f} tok/s"]
+            if record.get("mfu") is not None:
+                parts.append(f"MFU {100 * record['mfu']:.1f}%")
+            parts.append(f"mem {format_bytes(record.get('peak_mem_bytes'))}")
+            info = "  ".join(parts)
+        kwargs = {"info": info} if info is not None else {}
+        self.progress.update(self.task, completed=step, **kwargs)
+
+    def log(self, text: str) -> None:
+        if self.enabled:
+            self.progress.console.print(text)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.progress.stop()

@@ -1,0 +1,295 @@
+"""The training loop behind `fourfold train`: set up the layout, then step, log, validate and checkpoint.
+
+    from fourfold.train.trainer import train
+    summary = train(cfg, out_dir="runs/demo", resume=False)
+
+The same function runs in one process or under torchrun; the layout in `cfg.parallel` decides how the
+model is split. Losses are reported as the mean over the whole global batch, so every layout prints the
+same numbers as one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from fourfold.config import Config, to_toml
+from fourfold.distributed import DistEnv, init_distributed, world_from_env
+from fourfold.hardware import peak_flops, peak_memory_bytes, reset_peak_memory
+from fourfold.mesh import ParallelMesh, grad_accumulation_steps, validate_layout
+from fourfold.models.llama import Llama, parameter_counts, training_flops_per_token
+from fourfold.parallel.apply import parallelize
+from fourfold.parallel.data import build_data_parallel
+from fourfold.train.losses import build_loss
+from fourfold.train.metrics import MetricsWriter, TrainProgress, format_bytes
+from fourfold.train.optim import lr_at, set_lr
+from fourfold.train.step import StepContext, evaluate, forward_backward
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports back (rank 0 has the real values)."""
+
+    run_dir: Path
+    steps: int
+    first_loss: float | None = None
+    last_loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_s: float | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+class Trainer:
+    """Owns the model, optimizer, data and metrics of one run."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool | str = False, console: Console | None = None):
+        self.cfg = cfg
+        # The layout is checked against the world size before any process group exists.
+        validate_layout(cfg, world_from_env()[1])
+        self.env: DistEnv = init_distributed(cfg.train.device)
+        self.console = console or Console()
+        self.is_main = self.env.is_main
+        self.mesh = ParallelMesh.build(cfg, self.env.world_size, self.env.rank, self.env.device.type)
+        self.run_dir = Path(run_dir)
+        self.device = self.env.device
+        torch.manual_seed(cfg.train.seed)
+        self._setup_run_dir()
+        self._setup_data()
+        self._setup_model()
+        self.step = 0
+        if resume:
+            self._resume(resume)
+        self.metrics = MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console) if self.is_main else None
+
+    # ----- set-up -------------------------------------------------------------------------------
+    def _setup_run_dir(self) -> None:
+        if self.is_main:
+            (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+        self._barrier()
+
+    def _setup_data(self) -> None:
+        from fourfold.train.data import build_data
+
+        dp_rank, dp_world = self.mesh.data_parallel_rank, self.mesh.data_parallel_size
+        if self.is_main:
+            build_data(self.cfg, dp_rank, dp_world, is_writer=True)
+        self._barrier()
+        self.tokenizer, self.train_batches, self.val_batches = build_data(self.cfg, dp_rank, dp_world,
+                                                                          is_writer=False)
+
+    def _setup_model(self) -> None:
+        cfg = self.cfg
+        model = Llama(cfg.model)  # same seed on every rank: identical initial weights before sharding
+        model.to(self.device)
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
+        self.dp = build_data_parallel(self.mesh, cfg, self.device)
+        self.model = parallelize(model, self.mesh, cfg, self.dp)
+        self.optimizer = self.dp.build_optimizer(self.model)
+        from fourfold.precision import DynamicLossScaler, PrecisionPolicy
+
+        self.precision = PrecisionPolicy.from_config(cfg, self.device)
+        self.scaler = DynamicLossScaler(group=None) if cfg.train.precision == "fp16" else None
+        loss_fn, loss_context = build_loss(cfg, self.mesh)
+        shard_batch = None
+        if self.mesh.size("cp") > 1:
+            from fourfold.parallel.context import shard_batch as cp_shard
+
+            cp_rank, cp = self.mesh.local_rank("cp"), self.mesh.size("cp")
+            shard_batch = lambda x, y: cp_shard(x, y, cp_rank, cp)  # noqa: E731
+        self.ctx = StepContext(
+            device=self.device, loss_fn=loss_fn, loss_context=loss_context, autocast=self.precision.autocast,
+            shard_batch=shard_batch, scale_loss=self.scaler.scale_loss if self.scaler else None,
+        )
+
+    def _resume(self, resume: bool | str) -> None:
+        from fourfold.train.checkpoint import load_checkpoint, resolve_resume
+
+        path = resolve_resume(self.run_dir, resume)
+        if path is None:
+            self._log(f"[yellow]--resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting from step 0.[/]")
+            return
+        meta = load_checkpoint(path, self.model, self.optimizer)
+        self.step = int(meta["step"])
+        self.train_batches.load_state_dict(meta["data"])
+        if self.scaler is not None and "loss_scaler" in meta:
+            self.scaler.load_state_dict(meta["loss_scaler"])
+        self._log(f"Resumed from {path} at step {self.step}.")
+
+    # ----- helpers ------------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _log(self, text: str) -> None:
+        if self.is_main:
+            self.console.print(text)
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        """Average a per-rank scalar over the ranks that hold distinct data (tp/pp replicas count once)."""
+        if not dist.is_initialized():
+            return float(value)
+        t = value.detach().float().reshape(1).clone()
+        dist.all_reduce(t)
+        return float(t) / self.env.world_size
+
+    def _grad_sync(self, enabled: bool):
+        return self.dp.grad_sync(self.model, enabled)
+
+    # ----- the loop -----------------------------------------------------------------------------
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One optimizer step: returns (mean loss on this rank, gradient norm, skipped) as tensors/flags."""
+        cfg = self.cfg
+        set_lr(self.optimizer, lr_at(self.step, cfg.train))
+        micro = self.train_batches.next_step()
+        loss = forward_backward(self.model, micro, self.ctx, self._grad_sync)
+        skipped = False
+        if self.scaler is not None:
+            skipped = self.scaler.unscale_and_check(list(self.model.parameters()))
+        grad_norm = self.dp.clip_grad_norm(self.model, cfg.train.grad_clip)
+        if not skipped:
+            self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(skipped)
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, skipped
+
+    def run(self) -> TrainSummary:
+        cfg = self.cfg
+        tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self._print_start()
+        progress = TrainProgress(cfg.train.steps, self.step, self.is_main and cfg.log.progress, self.console)
+        summary = TrainSummary(run_dir=self.run_dir, steps=cfg.train.steps)
+        reset_peak_memory(self.device)
+        t_last, steps_since = time.perf_counter(), 0
+        try:
+            while self.step < cfg.train.steps:
+                loss, grad_norm, skipped = self.train_step()
+                self.step += 1
+                steps_since += 1
+                last = self.step == cfg.train.steps
+                record = None
+                if self.step % cfg.log.every == 0 or last or self.step == 1:
+                    record = self._record(loss, grad_norm, skipped, tokens_per_step * steps_since,
+                                          time.perf_counter() - t_last)
+                    summary.losses.append(record["loss"])
+                    summary.first_loss = summary.first_loss if summary.first_loss is not None else record["loss"]
+                    summary.last_loss, summary.tokens_per_s = record["loss"], record["tokens_per_s"]
+                    if self.step == 1:
+                        self._print_memory()
+                    t_last, steps_since = time.perf_counter(), 0
+                if cfg.train.val_every and (self.step % cfg.train.val_every == 0 or last) and self.val_batches:
+                    summary.val_loss = self._validate()
+                    t_last = time.perf_counter()
+                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or (last and cfg.checkpoint.save_final):
+                    self.save()
+                    t_last = time.perf_counter()
+                progress.update(self.step, record)
+        finally:
+            progress.close()
+            if self.metrics is not None:
+                self.metrics.close()
+        return summary
+
+    def _record(self, loss, grad_norm, skipped, tokens, elapsed) -> dict:
+        tokens_per_s = tokens / max(elapsed, 1e-9)
+        peak = peak_flops(self.device)
+        mfu = self.flops_per_token * tokens_per_s / (peak * self.env.world_size) if peak else None
+        record = {
+            "step": self.step,
+            "loss": self._global_mean(loss),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.env.world_size,
+            "mfu": mfu,
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+        }
+        if self.scaler is not None:
+            record["loss_scale"] = float(self.scaler.scale)
+            record["skipped_steps"] = self.scaler.skipped_steps
+        if self.metrics is not None:
+            self.metrics.write(record)
+        return record
+
+    def _validate(self) -> float:
+        self.model.eval()
+        val = self._global_mean(evaluate(self.model, self.val_batches, self.ctx))
+        self.model.train()
+        import math
+
+        if self.metrics is not None:
+            self.metrics.write({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+        self._log(f"step {self.step}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50.0)):.2f}")
+        return val
+
+    def save(self) -> Path:
+        from fourfold.train.checkpoint import save_checkpoint
+
+        meta = {"step": self.step, "config": self.cfg.to_dict(), "data": self.train_batches.state_dict(),
+                "tokenizer": self.cfg.data.tokenizer}
+        if self.scaler is not None:
+            meta["loss_scaler"] = self.scaler.state_dict()
+        writer = all(self.mesh.local_rank(d) == 0 for d in ("dp", "fsdp", "cp", "tp"))
+        shard = f"stage{self.mesh.local_rank('pp')}" if self.mesh.size("pp") > 1 else "model"
+        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, meta, self.cfg.checkpoint.keep,
+                               writer=writer, shard_name=shard)
+
+    def _print_start(self) -> None:
+        if not self.is_main:
+            return
+        cfg = self.cfg
+        n_params, _ = parameter_counts(cfg.model)
+        lines = [
+            f"[bold]fourfold[/] run dir [cyan]{self.run_dir}[/]",
+            f"layout {self.mesh.describe()} on {self.env.world_size} x {self.device.type}; "
+            f"precision {cfg.train.precision}; recompute {cfg.train.recompute}",
+            f"batch: global {cfg.train.global_batch} seqs x {cfg.train.seq_len} tokens, micro {cfg.train.micro_batch}, "
+            f"grad accumulation {grad_accumulation_steps(cfg)}",
+        ]
+        lines.append(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token")
+        self.console.print("\n".join(lines))
+        try:
+            from fourfold.plan.memory import estimate_memory
+
+            self.console.print(estimate_memory(cfg, self.env.world_size).table())
+        except ImportError:
+            pass
+
+    def _print_memory(self) -> None:
+        report = self.dp.memory_report(self.model, self.optimizer)
+        if self.is_main:
+            parts = ", ".join(f"{k.replace('_bytes', '')} {format_bytes(v)}" for k, v in report.items())
+            self.console.print(f"rank 0 holds {parts}; measured peak {format_bytes(peak_memory_bytes(self.device))}")
+
+
+def train(cfg: Config, out_dir: str | Path | None = None, resume: bool | str = False,
+          console: Console | None = None) -> TrainSummary:
+    """Train with `cfg`; writes the run directory; returns a summary."""
+    run_dir = Path(out_dir) if out_dir else default_run_dir()
+    trainer = Trainer(cfg, run_dir, resume=resume, console=console)
+    return trainer.run()
+
+
+@contextlib.contextmanager
+def quiet_nonzero_ranks():
+    """Silence stdout on ranks other than 0 (their errors still go to stderr)."""
+    import os
+    import sys
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        yield
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
+        sys.stdout.flush()
