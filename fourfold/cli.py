@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except FourfoldError as e:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        Console(stderr=True).print(f"[bold red]error[/]: {prefix}{e}", highlight=False)
+        from rich.markup import escape
+
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/]: {escape(prefix + str(e))}", highlight=False)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -133,7 +133,7 @@ class TrainConfig:
     seed: int = 1234
     """Seed for initialisation and data order."""
     precision: str = "fp32"
-    """fp32, bf16 (autocast, fp32 master weights) or fp16 (autocast with dynamic loss scaling)."""
+    """fp32, bf16 (autocast, fp32 master weights), fp16 (autocast with dynamic loss scaling), or fp64 (parity tests)."""
     compile: bool = False
     """torch.compile each block."""
     recompute: str = "none"
@@ -326,6 +326,7 @@ def _positive(cfg: Config, keys: list[str]) -> None:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+TRAIN_PRECISIONS = PRECISIONS + ("fp64",)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
@@ -346,9 +347,9 @@ def validate(cfg: Config) -> None:
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
                           "lower train.seq_len or raise model.max_seq_len.")
-    if t.precision not in PRECISIONS:
-        raise ConfigError(f"train.precision '{t.precision}' is not one of {', '.join(PRECISIONS)}."
-                          f"{closest(t.precision, PRECISIONS)}")
+    if t.precision not in TRAIN_PRECISIONS:
+        raise ConfigError(f"train.precision '{t.precision}' is not one of {', '.join(TRAIN_PRECISIONS)}."
+                          f"{closest(t.precision, TRAIN_PRECISIONS)}")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device '{t.device}' is not one of auto, cpu, cuda.")
     rc = t.recompute

@@ -50,7 +50,8 @@ def load_for_inference(path: str | Path, device: torch.device) -> tuple[Llama, C
         saved = meta["config"]
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{ckpt / 'meta.json'} is missing or invalid ({e}).") from None
-    cfg = build_config({k: v for k, v in saved.items() if k in ("model", "data")})
+    # The parallel layout of training does not apply to generation in one process.
+    cfg = build_config({k: v for k, v in saved.items() if k != "parallel"})
     model = Llama(cfg.model)
     load_checkpoint(ckpt, model, None)
     return model.to(device).eval(), cfg

@@ -62,7 +62,8 @@ class DataParallel:
         states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         return {
             "param_bytes": tensor_bytes(model.parameters()),
-            "grad_bytes": tensor_bytes(p.grad for p in model.parameters()),
+            # Gradients are freed between steps; count what they occupy during backward (one per parameter).
+            "grad_bytes": tensor_bytes(p for p in model.parameters() if p.requires_grad),
             "optim_bytes": tensor_bytes(states),
         }
 

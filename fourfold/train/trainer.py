@@ -91,7 +91,7 @@ class Trainer:
     def _setup_model(self) -> None:
         cfg = self.cfg
         model = Llama(cfg.model)  # same seed on every rank: identical initial weights before sharding
-        model.to(self.device)
+        model.to(self.device, torch.float64 if cfg.train.precision == "fp64" else torch.float32)
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
         self.dp = build_data_parallel(self.mesh, cfg, self.device)
         self.model = parallelize(model, self.mesh, cfg, self.dp)
@@ -164,8 +164,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, skipped
 
-    def run(self) -> TrainSummary:
+    def run(self, until: int | None = None) -> TrainSummary:
+        """Train to cfg.train.steps (or stop early after step `until`, as an interrupted run would)."""
         cfg = self.cfg
+        stop = cfg.train.steps if until is None else min(until, cfg.train.steps)
         tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self._print_start()
         progress = TrainProgress(cfg.train.steps, self.step, self.is_main and cfg.log.progress, self.console)
@@ -173,7 +175,7 @@ class Trainer:
         reset_peak_memory(self.device)
         t_last, steps_since = time.perf_counter(), 0
         try:
-            while self.step < cfg.train.steps:
+            while self.step < stop:
                 loss, grad_norm, skipped = self.train_step()
                 self.step += 1
                 steps_since += 1

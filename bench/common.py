@@ -1,0 +1,117 @@
+"""Shared plumbing for the benchmarks: run variants in subprocesses (torchrun for several GPUs), time steps,
+build fourfold's real training step from config overrides, and print the side-by-side table.
+
+A variant is timed by calling its step function `warmup` times, then `steps` times between two CUDA
+synchronisations; every rank runs the same steps and rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def fourfold_step(preset: str, micro_batch: int, seq: int, overrides: dict, global_batch: int | None = None):
+    """fourfold's `Trainer.train_step` for the given overrides (data, loss, clip and optimizer included)."""
+    from fourfold.config import build_config
+    from fourfold.train.trainer import Trainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    flat = {"model.preset": preset, "train.seq_len": str(seq), "train.micro_batch": str(micro_batch),
+            "train.global_batch": str(global_batch or micro_batch * world), "train.precision": "bf16",
+            "train.device": "cuda", "train.val_every": "0", "checkpoint.every": "0",
+            "checkpoint.save_final": "false", "log.progress": "false", "data.max_bytes": "8000000"}
+    flat.update({k: str(v) for k, v in overrides.items()})
+    cfg = build_config({}, flat)
+    out = os.environ.get("FOURFOLD_BENCH_DIR") or tempfile.mkdtemp(prefix="fourfold-bench-")
+    trainer = Trainer(cfg, out)
+
+    def step():
+        loss, _, _ = trainer.train_step()
+        return loss
+
+    return step, cfg, trainer
+
+
+def time_steps(step, warmup: int, steps: int) -> tuple[float, float]:
+    """(seconds per step, last loss) after `warmup` untimed steps; peak memory is reset after warm-up."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    loss = None
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps, float(loss) if loss is not None else float("nan")
+
+
+def figures(name: str, model_cfg, seq: int, tokens_per_step_global: int, sec_per_step: float, loss: float,
+            world: int) -> dict:
+    """The row a variant reports: tokens/s (global and per GPU), MFU, peak memory of this rank."""
+    import torch
+
+    from fourfold.hardware import peak_flops
+    from fourfold.models.llama import training_flops_per_token
+
+    tps = tokens_per_step_global / sec_per_step
+    peak = peak_flops(torch.device("cuda"))
+    mfu = training_flops_per_token(model_cfg, seq) * tps / (peak * world) if peak else None
+    return {"variant": name, "gpus": world, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world,
+            "step_ms": 1000 * sec_per_step, "mfu": mfu, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "loss": loss, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
+def report(row: dict) -> None:
+    """Rank 0 prints the row as one RESULT line the parent process parses."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(row), flush=True)
+
+
+def run_variant_process(script: str, name: str, nproc: int, extra_args: list[str], timeout: int = 900) -> dict:
+    """Run `script --one name` in a fresh process (under torchrun when nproc > 1); return its RESULT row."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               script, "--one", name, *extra_args]
+    else:
+        cmd = [sys.executable, script, "--one", name, *extra_args]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": name, "gpus": nproc, "error": f"timed out after {timeout}s"}
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        return {"variant": name, "gpus": nproc, "error": (proc.stderr or proc.stdout)[-2000:]}
+    return json.loads(line[len("RESULT "):])
+
+
+def print_table(rows: list[dict], baseline: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> None:
+    """Print rows; `baseline` maps a variant to the peer it is compared with (ratio of tokens/s per GPU)."""
+    by_name = {r["variant"]: r for r in rows if "error" not in r}
+    head = f"{'variant':36s} {'gpus':>4s} {'tok/s/gpu':>10s} {'MFU':>7s} {'peak GiB':>9s} {'ratio':>8s}"
+    print("\n" + head + "".join(f" {e:>10s}" for e in extra))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:36s} {r.get('gpus', ''):>4} FAILED: {r['error'][-300:]!r}")
+            continue
+        peer = by_name.get((baseline or {}).get(r["variant"], ""))
+        if peer:
+            r["ratio_vs_peer"] = r["tokens_per_s_per_gpu"] / peer["tokens_per_s_per_gpu"]
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        ratio = f"{r['ratio_vs_peer']:.3f}" if "ratio_vs_peer" in r else "-"
+        cols = "".join(f" {r.get(e, ''):>10.4g}" if isinstance(r.get(e), (int, float)) else f" {'-':>10s}" for e in extra)
+        print(f"{r['variant']:36s} {r['gpus']:>4d} {r['tokens_per_s_per_gpu']:10,.0f} {mfu:>7s} "
+              f"{r['peak_mem_gib']:9.1f} {ratio:>8s}{cols}")
+
+
+def save(path: str, args, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "results": rows}, f, indent=2)

@@ -1,0 +1,99 @@
+"""Single-GPU training speed and memory: fourfold's trainer vs Hugging Face LlamaForCausalLM, side by side.
+
+    python bench/train_single.py --preset llama-1b --micro-batch 4 --seq 2048 --steps 20 --out train_single.json
+
+Every variant runs in its own process on the same GPU, shape, batch, precision (bf16 autocast, fp32
+master weights) and optimizer (fused AdamW). fourfold variants run the real `Trainer.train_step` (data
+loading, loss, clipping and optimizer included); Hugging Face variants run the usual loop
+`model(input_ids, labels).loss.backward(); clip; step` (eager, then `torch.compile(model)`). The table
+gives tokens/s, MFU and peak memory, and each variant's ratio to the compiled Hugging Face run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import figures, fourfold_step, print_table, report, run_variant_process, save, time_steps  # noqa: E402
+
+VARIANTS = {
+    "hf-eager": {},
+    "hf-compile": {"compile": True},
+    "fourfold": {},
+    "fourfold-compile": {"train.compile": "true"},
+    "fourfold-compile-chunked-ce": {"train.compile": "true", "train.loss_chunk": "4096"},
+    "fourfold-compile-selective": {"train.compile": "true", "train.recompute": "selective"},
+    "fourfold-compile-full-recompute": {"train.compile": "true", "train.recompute": "full"},
+}
+
+
+def hf_step(preset: str, micro_batch: int, seq: int, compile_model: bool):
+    """A plain Hugging Face training step for the same shape (random tokens, same optimizer settings)."""
+    import torch
+    import transformers
+
+    from fourfold.config import build_config
+
+    cfg = build_config({}, {"model.preset": preset, "train.seq_len": str(seq), "model.max_seq_len": str(max(seq, 16))})
+    m = cfg.model
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, max_position_embeddings=m.max_seq_len,
+        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings)
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_cfg).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    fwd = torch.compile(model) if compile_model else model
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def step():
+        ids = torch.randint(0, m.vocab_size, (micro_batch, seq), device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, cfg
+
+
+def run_one(name: str, args) -> None:
+    extra = VARIANTS[name]
+    if name.startswith("hf"):
+        step, cfg = hf_step(args.preset, args.micro_batch, args.seq, extra.get("compile", False))
+    else:
+        step, cfg, _ = fourfold_step(args.preset, args.micro_batch, args.seq, extra)
+    sec, loss = time_steps(step, args.warmup, args.steps)
+    report(figures(name, cfg.model, args.seq, args.micro_batch * args.seq, sec, loss, 1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default="train_single.json")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        return run_one(args.one, args)
+    common = ["--preset", args.preset, "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
+              "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    rows = []
+    for name in args.variants.split(","):
+        rows.append(run_variant_process(__file__, name, 1, common))
+        print(rows[-1], flush=True)
+    print_table(rows, {n: "hf-compile" for n in VARIANTS})
+    save(args.out, args, rows)
+
+
+if __name__ == "__main__":
+    main()

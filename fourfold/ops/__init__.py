@@ -1,0 +1,1 @@
+"""Numerical building blocks used by training: losses and (optional) fused kernels."""

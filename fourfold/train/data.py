@@ -1,0 +1,233 @@
+"""Training data: text sources -> a cached memory-mapped token file -> packed sequences -> per-rank batches.
+
+    tokenizer, train_batches, val_batches = build_data(cfg, data_rank, data_world, is_writer)
+    micro_batches = train_batches.next_step()      # [(inputs, targets), ...] for this rank
+
+The corpus is tokenized once into `data.cache_dir/<key>/tokens.bin` (uint16 or uint32), the key hashing
+the text read, the tokenizer and the byte limit. In a distributed run rank 0 builds it (is_writer=True),
+the caller puts a barrier, and every rank then maps it (is_writer=False only locates it).
+
+Batches: each optimizer step draws `global_batch` sequence indices from a seeded permutation; data rank
+r of D takes the r-th contiguous slice and splits it into micro-batches. Concatenating every rank's
+micro-batches in rank order gives exactly the single-process micro-batches, so every layout trains on
+the same data. The sampler's position is saved in checkpoints.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import math
+import os
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fourfold.config import Config, DataConfig
+from fourfold.errors import ConfigError
+from fourfold.train.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def source_files(path: str | None) -> list[Path]:
+    """The files a data path names (a file, a directory, or a glob); None -> the stdlib's .py sources."""
+    if path is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        skip = {"site-packages", "dist-packages", "__pycache__"}
+        files = sorted(p for p in root.rglob("*.py") if not skip.intersection(p.parts))
+        if not files:
+            raise ConfigError(f"No Python standard library sources under {root}; pass --data.path with text files.")
+        return files
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in
+                                                                              f.relative_to(p).parts))
+    else:
+        files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
+    if not files:
+        raise ConfigError(f"data.path '{path}' matches no files; give a text file, a directory or a glob "
+                          "(e.g. 'data/*.txt'), or leave it unset to train on the Python standard library.")
+    return files
+
+
+def _read_documents(files: list[Path], max_bytes: int) -> list[str]:
+    docs, total = [], 0
+    for f in files:
+        raw = f.read_bytes()
+        if b"\0" in raw[:1024]:
+            continue  # binary file
+        if max_bytes and total + len(raw) > max_bytes:
+            raw = raw[: max_bytes - total]
+        docs.append(raw.decode("utf-8", errors="replace"))
+        total += len(raw)
+        if max_bytes and total >= max_bytes:
+            break
+    return docs
+
+
+def _encode(docs: list[str], tokenizer) -> np.ndarray:
+    dtype = np.uint16 if tokenizer.vocab_size < 2**16 else np.uint32
+    eos = tokenizer.eos_id
+    if isinstance(tokenizer, ByteTokenizer):
+        parts = []
+        for d in docs:
+            parts.append(np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(dtype))
+            parts.append(np.array([eos], dtype=dtype))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+    out = []
+    for ids in tokenizer.encode_batch(docs):
+        out.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=dtype))
+    return np.concatenate(out) if out else np.zeros(0, dtype)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def token_file(data_cfg: DataConfig, tokenizer, is_writer: bool = True) -> Path:
+    """Path of the cached token file for these sources and tokenizer, building it if `is_writer`."""
+    docs = _read_documents(source_files(data_cfg.path), data_cfg.max_bytes)
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(hashlib.sha256(d.encode("utf-8")).digest())
+    h.update(f"{tokenizer.name}|{data_cfg.max_bytes}".encode())
+    folder = Path(data_cfg.cache_dir) / h.hexdigest()[:20]
+    tokens_path, meta_path = folder / "tokens.bin", folder / "meta.json"
+    if meta_path.is_file() or not is_writer:
+        return tokens_path
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = _encode(docs, tokenizer)
+    _write_atomic(tokens_path, tokens.tobytes())
+    meta = {"dtype": str(tokens.dtype), "n_tokens": int(tokens.size), "tokenizer": tokenizer.name,
+            "documents": len(docs)}
+    _write_atomic(meta_path, json.dumps(meta).encode())  # written last: its presence marks a complete cache
+    return tokens_path
+
+
+class PackedSequences:
+    """Non-overlapping windows of seq_len + 1 tokens; the last val_fraction of them are validation."""
+
+    def __init__(self, token_path: Path, seq_len: int, split: str, val_fraction: float):
+        meta_path = Path(token_path).parent / "meta.json"
+        if not meta_path.is_file():
+            raise ConfigError(f"Token cache {token_path} is incomplete (no meta.json); delete "
+                              f"{Path(token_path).parent} and run again.")
+        meta = json.loads(meta_path.read_text())
+        self.tokens = np.memmap(token_path, dtype=np.dtype(meta["dtype"]), mode="r")
+        self.seq_len = seq_len
+        windows = len(self.tokens) // (seq_len + 1)
+        n_val = math.ceil(val_fraction * windows) if val_fraction > 0 else 0
+        if windows - n_val < 1:
+            raise ConfigError(f"The corpus has {len(self.tokens)} tokens; training needs at least "
+                              f"{(seq_len + 1) * (n_val + 1)} for one sequence of train.seq_len={seq_len} plus "
+                              "validation. Use a smaller train.seq_len or more data (data.path, data.max_bytes).")
+        self.start, self.count = (windows - n_val, n_val) if split == "val" else (0, windows - n_val)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        w = self.start + i
+        chunk = self.tokens[w * (self.seq_len + 1):(w + 1) * (self.seq_len + 1)]
+        return torch.from_numpy(chunk.astype(np.int64))
+
+
+class GlobalBatchSampler:
+    """Deterministic, infinite: epoch e is a permutation drawn from seed + e; resumable by position."""
+
+    def __init__(self, num_sequences: int, global_batch: int, seed: int):
+        self.n, self.global_batch, self.seed = num_sequences, global_batch, seed
+        self.epoch, self.position = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.n, generator=gen).tolist()
+
+    def next_batch(self) -> list[int]:
+        out = []
+        while len(out) < self.global_batch:
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._perm = self._permutation(self.epoch)
+            take = min(self.global_batch - len(out), self.n - self.position)
+            out.extend(self._perm[self.position:self.position + take])
+            self.position += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._perm = self._permutation(self.epoch)
+
+
+def _micro_batches(dataset: PackedSequences, indices: list[int], micro_batch: int) -> list[tuple]:
+    out = []
+    for i in range(0, len(indices), micro_batch):
+        windows = torch.stack([dataset[j] for j in indices[i:i + micro_batch]])
+        out.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
+    return out
+
+
+class TrainBatches:
+    """This data rank's micro-batches for each optimizer step."""
+
+    def __init__(self, dataset: PackedSequences, sampler: GlobalBatchSampler, micro_batch: int,
+                 data_rank: int, data_world: int):
+        self.dataset, self.sampler = dataset, sampler
+        self.micro_batch, self.rank, self.world = micro_batch, data_rank, data_world
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        indices = self.sampler.next_batch()
+        per_rank = len(indices) // self.world
+        mine = indices[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return _micro_batches(self.dataset, mine, self.micro_batch)
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def validation_batches(dataset: PackedSequences, micro_batch: int, n_batches: int, data_rank: int,
+                       data_world: int) -> list[tuple]:
+    """A fixed validation set: n_batches micro-batches per rank, sliced across ranks like training."""
+    if len(dataset) == 0 or n_batches == 0:
+        return []
+    per_rank = micro_batch * n_batches
+    indices = [i % len(dataset) for i in range(data_rank * per_rank, (data_rank + 1) * per_rank)]
+    return _micro_batches(dataset, indices, micro_batch)
+
+
+def build_data(cfg: Config, data_rank: int, data_world: int, is_writer: bool):
+    """(tokenizer, TrainBatches, validation micro-batches) for this rank; see the module docstring for barriers."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
+                          f"{cfg.model.vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}.")
+    path = token_file(cfg.data, tokenizer, is_writer)
+    t = cfg.train
+    train_set = PackedSequences(path, t.seq_len, "train", cfg.data.val_fraction)
+    val_set = PackedSequences(path, t.seq_len, "val", cfg.data.val_fraction)
+    sampler = GlobalBatchSampler(len(train_set), t.global_batch, t.seed)
+    batches = TrainBatches(train_set, sampler, t.micro_batch, data_rank, data_world)
+    val = validation_batches(val_set, t.micro_batch, t.val_batches, data_rank, data_world)
+    return tokenizer, batches, val
