@@ -16,7 +16,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [BENCH, os.path.dirname(BENCH)]  # bench/ for common.py, the repo root for fourfold
 from common import figures, fourfold_step, print_table, report, run_variant_process, save, time_steps  # noqa: E402
 
 PEERS = {"fourfold-1gpu": "torch-1gpu", "fourfold-ddp": "torch-ddp", "fourfold-fsdp": "torch-fsdp2"}

@@ -15,7 +15,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [BENCH, os.path.dirname(BENCH)]  # bench/ for common.py, the repo root for fourfold
 from common import figures, fourfold_step, print_table, report, run_variant_process, save, time_steps  # noqa: E402
 
 VARIANTS = {
@@ -24,6 +25,7 @@ VARIANTS = {
     "fourfold": {},
     "fourfold-compile": {"train.compile": "true"},
     "fourfold-compile-chunked-ce": {"train.compile": "true", "train.loss_chunk": "4096"},
+    "fourfold-compile-model": {"whole_model_compile": True},
     "fourfold-compile-selective": {"train.compile": "true", "train.recompute": "selective"},
     "fourfold-compile-full-recompute": {"train.compile": "true", "train.recompute": "full"},
 }
@@ -62,14 +64,34 @@ def hf_step(preset: str, micro_batch: int, seq: int, compile_model: bool):
     return step, cfg
 
 
+def profile_table(step, path: str, rows: int = 25) -> str:
+    """Run 3 steps under torch.profiler; write and return the top CUDA kernels by total time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    with open(path, "w") as f:
+        f.write(table)
+    return table
+
+
 def run_one(name: str, args) -> None:
-    extra = VARIANTS[name]
+    extra = dict(VARIANTS[name])
     if name.startswith("hf"):
         step, cfg = hf_step(args.preset, args.micro_batch, args.seq, extra.get("compile", False))
     else:
-        step, cfg, _ = fourfold_step(args.preset, args.micro_batch, args.seq, extra)
+        whole = extra.pop("whole_model_compile", False)
+        step, cfg, trainer = fourfold_step(args.preset, args.micro_batch, args.seq, extra)
+        if whole:
+            trainer.model.compile()
     sec, loss = time_steps(step, args.warmup, args.steps)
     report(figures(name, cfg.model, args.seq, args.micro_batch * args.seq, sec, loss, 1))
+    if args.profile_dir:
+        print(profile_table(step, os.path.join(args.profile_dir, f"profile-{name}.txt")), flush=True)
 
 
 def main() -> None:
@@ -81,12 +103,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default="train_single.json")
+    p.add_argument("--profile-dir", default="", help="also write a torch.profiler kernel table per variant here")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         return run_one(args.one, args)
     common = ["--preset", args.preset, "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
-              "--steps", str(args.steps), "--warmup", str(args.warmup)]
+              "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile-dir", args.profile_dir]
     rows = []
     for name in args.variants.split(","):
         rows.append(run_variant_process(__file__, name, 1, common))

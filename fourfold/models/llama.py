@@ -79,11 +79,9 @@ class CausalAttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v for q (b, hq, s, d) and k, v (b, hkv, s, d), hq % hkv == 0."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if k.shape[1] != q.shape[1]:
-            repeat = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # enable_gqa lets the kernel read each kv head for its group of query heads instead of copying
+        # K and V per query head (10% faster fwd+bwd on an H100 for the 1.1B shape: bench/sdpa_gqa.py).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
