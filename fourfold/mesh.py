@@ -152,6 +152,10 @@ class ParallelMesh:
     def is_last_stage(self) -> bool:
         return self.coords["pp"] == self.sizes["pp"] - 1
 
+    def coords_of(self, rank: int) -> dict[str, int]:
+        """Coordinates of any global rank in the (pp, dp, fsdp, cp, tp) grid."""
+        return _coordinates(self.sizes, rank)
+
     def describe(self) -> str:
         used = [f"{n}={self.sizes[n]}" for n in DIM_ORDER if self.sizes[n] > 1]
         return " x ".join(used) if used else "single process"

@@ -44,7 +44,7 @@ def forward_backward(model: nn.Module, micro_batches: list, ctx: StepContext, gr
     but the last micro-batch.
     """
     n = len(micro_batches)
-    total = torch.zeros((), device=ctx.device)
+    total = torch.zeros((), device=ctx.device, dtype=torch.float64)
     for i, (inputs, targets) in enumerate(micro_batches):
         inputs, targets, positions = _prepare(inputs, targets, ctx)
         with grad_sync(i == n - 1), ctx.loss_context():
@@ -62,9 +62,9 @@ def forward_backward(model: nn.Module, micro_batches: list, ctx: StepContext, gr
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list, ctx: StepContext) -> torch.Tensor:
     """Mean loss over validation `batches` on this rank (a tensor; the caller averages across ranks)."""
-    total = torch.zeros((), device=ctx.device)
+    total = torch.zeros((), device=ctx.device, dtype=torch.float64)
     for inputs, targets in batches:
         inputs, targets, positions = _prepare(inputs, targets, ctx)
         with ctx.loss_context(), ctx.autocast():
-            total += ctx.loss_fn(model(inputs, positions), targets).float()
+            total += ctx.loss_fn(model(inputs, positions), targets).double()
     return total / max(1, len(batches))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from torch import nn
 
 from fourfold.config import Config, to_toml
 from fourfold.distributed import DistEnv, init_distributed, world_from_env
@@ -28,7 +29,7 @@ from fourfold.parallel.apply import parallelize
 from fourfold.parallel.data import build_data_parallel
 from fourfold.train.losses import build_loss
 from fourfold.train.metrics import MetricsWriter, TrainProgress, format_bytes
-from fourfold.train.optim import lr_at, set_lr
+from fourfold.train.optim import clip_across_stages, lr_at, set_lr
 from fourfold.train.step import StepContext, evaluate, forward_backward
 
 
@@ -94,7 +95,16 @@ class Trainer:
         model.to(self.device, torch.float64 if cfg.train.precision == "fp64" else torch.float32)
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
         self.dp = build_data_parallel(self.mesh, cfg, self.device)
-        self.model = parallelize(model, self.mesh, cfg, self.dp)
+        if self.mesh.size("pp") > 1:
+            from fourfold.parallel.pipeline import split_pipeline
+
+            chunks = split_pipeline(model, self.mesh.local_rank("pp"), self.mesh.size("pp"), cfg.parallel.vpp,
+                                    cfg.parallel.pp_layers)
+            self.chunks = [parallelize(c, self.mesh, cfg, self.dp) for c in chunks]
+            self.model = nn.ModuleList(self.chunks)  # one module for the optimizer and clipping
+        else:
+            self.chunks = None
+            self.model = parallelize(model, self.mesh, cfg, self.dp)
         self.optimizer = self.dp.build_optimizer(self.model)
         from fourfold.precision import DynamicLossScaler, PrecisionPolicy
 
@@ -111,6 +121,23 @@ class Trainer:
             device=self.device, loss_fn=loss_fn, loss_context=loss_context, autocast=self.precision.autocast,
             shard_batch=shard_batch, scale_loss=self.scaler.scale_loss if self.scaler else None,
         )
+        self.executor = self._build_executor() if self.chunks is not None else None
+
+    def _build_executor(self):
+        from fourfold.parallel.pipeline import PipelineExecutor
+
+        cfg, mesh = self.cfg, self.mesh
+        seq = cfg.train.seq_len // mesh.size("cp")
+        if mesh.size("tp") > 1 and cfg.parallel.sequence_parallel:
+            seq //= mesh.size("tp")
+        act_dtype = torch.float64 if cfg.train.precision == "fp64" else torch.float32
+        return PipelineExecutor(
+            self.chunks, cfg.parallel.pp_schedule, mesh.local_rank("pp"), mesh.size("pp"), cfg.parallel.vpp,
+            grad_accumulation_steps(cfg), mesh.group("pp"), self.ctx.loss_fn, self.device, act_dtype,
+            autocast=self.precision.autocast, scale_loss=self.ctx.scale_loss,
+            grad_sync=lambda i, last: self.dp.grad_sync(self.chunks[i], last),
+            activation_shape=(cfg.train.micro_batch, seq, cfg.model.dim),
+        )
 
     def _resume(self, resume: bool | str) -> None:
         from fourfold.train.checkpoint import load_checkpoint, resolve_resume
@@ -119,7 +146,7 @@ class Trainer:
         if path is None:
             self._log(f"[yellow]--resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting from step 0.[/]")
             return
-        meta = load_checkpoint(path, self.model, self.optimizer)
+        meta = load_checkpoint(path, self.chunks if self.chunks is not None else self.model, self.optimizer)
         self.step = int(meta["step"])
         self.train_batches.load_state_dict(meta["data"])
         if self.scaler is not None and "loss_scaler" in meta:
@@ -139,9 +166,10 @@ class Trainer:
         """Average a per-rank scalar over the ranks that hold distinct data (tp/pp replicas count once)."""
         if not dist.is_initialized():
             return float(value)
-        t = value.detach().float().reshape(1).clone()
+        t = value.detach().double().reshape(1).clone()
         dist.all_reduce(t)
-        return float(t) / self.env.world_size
+        # Only last-stage ranks hold a loss under pipeline parallel; the others add zero.
+        return float(t) / (self.env.world_size // self.mesh.size("pp"))
 
     def _grad_sync(self, enabled: bool):
         return self.dp.grad_sync(self.model, enabled)
@@ -152,11 +180,21 @@ class Trainer:
         cfg = self.cfg
         set_lr(self.optimizer, lr_at(self.step, cfg.train))
         micro = self.train_batches.next_step()
-        loss = forward_backward(self.model, micro, self.ctx, self._grad_sync)
+        if self.executor is not None:
+            if self.ctx.shard_batch is not None:
+                micro = [self.ctx.shard_batch(x, y) for x, y in micro]
+            with self.ctx.loss_context():
+                loss = self.executor.step(micro)
+            loss = loss if loss is not None else torch.zeros((), device=self.device)
+        else:
+            loss = forward_backward(self.model, micro, self.ctx, self._grad_sync)
         skipped = False
         if self.scaler is not None:
             skipped = self.scaler.unscale_and_check(list(self.model.parameters()))
-        grad_norm = self.dp.clip_grad_norm(self.model, cfg.train.grad_clip)
+        if self.mesh.size("pp") > 1:
+            grad_norm = clip_across_stages(self.model.parameters(), cfg.train.grad_clip, self.mesh.group("pp"))
+        else:
+            grad_norm = self.dp.clip_grad_norm(self.model, cfg.train.grad_clip)
         if not skipped:
             self.optimizer.step()
         if self.scaler is not None:
@@ -197,11 +235,38 @@ class Trainer:
                     self.save()
                     t_last = time.perf_counter()
                 progress.update(self.step, record)
+            if self.executor is not None:
+                self._report_pipeline()
         finally:
             progress.close()
             if self.metrics is not None:
                 self.metrics.close()
         return summary
+
+    def _report_pipeline(self) -> None:
+        """Measured vs analytic bubble of the last step, a Chrome trace and a timeline picture (rank 0)."""
+        from fourfold.parallel.pipeline import analytic_bubble, draw_timeline, pipeline_bubble, write_chrome_trace
+
+        gathered: list = [None] * self.env.world_size
+        dist.all_gather_object(gathered, self.executor.last_timeline)
+        if not self.is_main:
+            return
+        stages = sorted((self.mesh.coords_of(r)["pp"], r) for r in range(self.env.world_size)
+                        if all(self.mesh.coords_of(r)[d] == 0 for d in ("dp", "fsdp", "cp", "tp")))
+        per_rank = [gathered[r] for _, r in stages]
+        p = self.cfg.parallel
+        measured = pipeline_bubble(per_rank)
+        analytic = analytic_bubble(p.pp_schedule, p.pp, p.vpp, self.executor.n_micro)
+        write_chrome_trace(per_rank, self.run_dir / "pp_trace.json")
+        try:
+            draw_timeline(per_rank, self.run_dir / "pp_timeline.png",
+                          f"{p.pp_schedule}: pp={p.pp} vpp={p.vpp} m={self.executor.n_micro}, bubble {measured:.1%}")
+        except ImportError as e:
+            self._log(f"[yellow]No timeline picture: {e}[/]")
+        if self.metrics is not None:
+            self.metrics.write({"step": self.step, "pp_bubble_measured": measured, "pp_bubble_analytic": analytic})
+        self._log(f"pipeline bubble: measured {measured:.1%}, analytic {analytic:.1%} "
+                  f"(trace {self.run_dir / 'pp_trace.json'}, picture {self.run_dir / 'pp_timeline.png'})")
 
     def _record(self, loss, grad_norm, skipped, tokens, elapsed) -> dict:
         tokens_per_s = tokens / max(elapsed, 1e-9)
@@ -226,7 +291,20 @@ class Trainer:
 
     def _validate(self) -> float:
         self.model.eval()
-        val = self._global_mean(evaluate(self.model, self.val_batches, self.ctx))
+        if self.executor is not None:
+            n = self.executor.n_micro
+            batches = [self.val_batches[i % len(self.val_batches)] for i in range(max(n, len(self.val_batches)))]
+            if self.ctx.shard_batch is not None:
+                batches = [self.ctx.shard_batch(x, y) for x, y in batches]
+            total = torch.zeros((), device=self.device)
+            groups = [batches[i:i + n] for i in range(0, len(batches) - n + 1, n)]
+            with self.ctx.loss_context():
+                for group in groups:
+                    out = self.executor.evaluate(group)
+                    total += out if out is not None else 0.0
+            val = self._global_mean(total / len(groups))
+        else:
+            val = self._global_mean(evaluate(self.model, self.val_batches, self.ctx))
         self.model.train()
         import math
 
@@ -244,7 +322,8 @@ class Trainer:
             meta["loss_scaler"] = self.scaler.state_dict()
         writer = all(self.mesh.local_rank(d) == 0 for d in ("dp", "fsdp", "cp", "tp"))
         shard = f"stage{self.mesh.local_rank('pp')}" if self.mesh.size("pp") > 1 else "model"
-        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, meta, self.cfg.checkpoint.keep,
+        model = self.chunks if self.chunks is not None else self.model
+        return save_checkpoint(self.run_dir, self.step, model, self.optimizer, meta, self.cfg.checkpoint.keep,
                                writer=writer, shard_name=shard)
 
     def _print_start(self) -> None:
