@@ -152,6 +152,39 @@ class ParallelMesh:
     def is_last_stage(self) -> bool:
         return self.coords["pp"] == self.sizes["pp"] - 1
 
+    def data_mesh(self) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+        """(replicate mesh, shard mesh) for gradient reduction: replicate over dp, shard over fsdp x cp.
+
+        Context-parallel ranks hold the same parameters and see different tokens, so they reduce
+        gradients like data-parallel ranks: fsdp and cp are flattened into one shard dimension.
+        """
+        if self.mesh is None:
+            return None, None
+        shard_dims = tuple(n for n in ("fsdp", "cp") if self.sizes[n] > 1)
+        shard = None
+        if len(shard_dims) == 2:
+            shard = self.mesh[shard_dims]._flatten("fsdp_cp")
+        elif shard_dims:
+            shard = self.mesh[shard_dims[0]]
+        return self.get("dp"), shard
+
+    def hsdp_mesh(self) -> DeviceMesh | None:
+        """The 1-D shard mesh, or the 2-D (dp, shard) mesh FSDP2 treats as replicate x shard (HSDP)."""
+        replicate, shard = self.data_mesh()
+        if replicate is None or shard is None:
+            return shard or replicate
+        name = shard.mesh_dim_names[0]
+        return self.mesh[("dp", name)]
+
+    def node_mesh(self, gpus_per_node: int) -> DeviceMesh:
+        """The dp dimension reshaped to (node, local) for hierarchical all-reduce."""
+        dp = self.get("dp")
+        if dp is None or self.sizes["dp"] % gpus_per_node or gpus_per_node < 1:
+            raise LayoutError(f"Hierarchical all-reduce needs parallel.dp ({self.sizes['dp']}) to be a multiple of "
+                              f"the ranks per node ({gpus_per_node}); set parallel.gpus_per_node.")
+        ranks = dp.mesh.reshape(self.sizes["dp"] // gpus_per_node, gpus_per_node)
+        return DeviceMesh(dp.device_type, ranks, mesh_dim_names=("node", "local"))
+
     def coords_of(self, rank: int) -> dict[str, int]:
         """Coordinates of any global rank in the (pp, dp, fsdp, cp, tp) grid."""
         return _coordinates(self.sizes, rank)

@@ -9,7 +9,19 @@ The trainer talks to one `DataParallel` object and never to DDP/FSDP directly:
     norm = dp.clip_grad_norm(model, max_norm)
     dp.memory_report(model, optimizer)        # bytes this rank holds
 
-This first version is the single-process strategy; the data-parallel strategies extend it.
+Strategies (chosen from the layout):
+| layout | strategy | communicates | each rank holds |
+|---|---|---|---|
+| dp=N | `ddp`: DistributedDataParallel, `bucket_mb` buckets all-reduced during backward | all-reduce of gradients | everything |
+| dp=N, hierarchical_allreduce | `ddp` with a comm hook: reduce-scatter in node, all-reduce across nodes, all-gather in node | same sum, 1/G of the bytes across nodes | everything |
+| fsdp=N, zero=1 | `zero1`: DDP + ZeroRedundancyOptimizer | gradient all-reduce, parameter broadcast after the step | full params and grads, 1/N optimizer state |
+| fsdp=N, zero=2 | `zero2`: FSDP2 with parameters kept gathered from forward to backward | one all-gather per step, gradient reduce-scatter | full params during the step, 1/N grads and optimizer state |
+| fsdp=N, zero=3 | `fsdp`: FSDP2 per block, parameters resharded after forward | all-gather per block in forward and backward, reduce-scatter | 1/N of everything |
+| dp=R, fsdp=S | `hsdp`: FSDP2 on the 2-D (dp, fsdp) mesh | all-gathers inside a shard group, gradient all-reduce across groups | 1/S of everything |
+
+Context-parallel ranks (cp > 1) reduce gradients like data ranks: fsdp and cp form one shard dimension.
+With tensor parallel (DTensor parameters, which DDP cannot hold) or context parallel, every data
+layout runs on FSDP2 (dp alone then shards over dp; the gradients are identical to DDP's).
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from torch import nn
 
 from fourfold.config import Config
 from fourfold.mesh import ParallelMesh
-from fourfold.train.optim import build_adamw
+from fourfold.train.optim import adamw_kwargs, build_adamw, decay_groups
 
 
 def tensor_bytes(tensors) -> int:
@@ -35,8 +47,17 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """2-norm over all gradients; DTensor gradients (FSDP/TP shards) are reduced over their meshes."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 class DataParallel:
-    """Single-process strategy: no communication."""
+    """Single-process strategy (also the base of the others): no communication."""
 
     name = "none"
 
@@ -54,20 +75,103 @@ class DataParallel:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
-        if max_norm <= 0:
-            return torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        norm = total_grad_norm(params)
+        if max_norm > 0 and params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(params[0].grad.dtype), foreach=True)
+        return norm
 
     def memory_report(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         return {
             "param_bytes": tensor_bytes(model.parameters()),
-            # Gradients are freed between steps; count what they occupy during backward (one per parameter).
+            # Gradients are freed between steps; count what they occupy during backward (one per parameter shard).
             "grad_bytes": tensor_bytes(p for p in model.parameters() if p.requires_grad),
             "optim_bytes": tensor_bytes(states),
         }
 
 
+class DDP(DataParallel):
+    """DistributedDataParallel over the dp group: bucketed gradient all-reduce overlapped with backward."""
+
+    name = "ddp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        p = self.cfg.parallel
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=self.mesh.group("dp"),
+                                                  bucket_cap_mb=p.bucket_mb, gradient_as_bucket_view=True)
+        if p.hierarchical_allreduce:
+            from fourfold.parallel.hierarchical import HierarchicalState, hierarchical_allreduce_hook
+
+            per_node = p.gpus_per_node or _local_world_size()
+            ddp.register_comm_hook(HierarchicalState(self.mesh.node_mesh(per_node)), hierarchical_allreduce_hook)
+        return ddp
+
+    def grad_sync(self, model: nn.Module, enabled: bool):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+
+
+class Zero1(DDP):
+    """DDP gradients, optimizer state sharded with torch's ZeroRedundancyOptimizer over the fsdp group."""
+
+    name = "zero1"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=self.mesh.group("fsdp"),
+                                                   bucket_cap_mb=self.cfg.parallel.bucket_mb)
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        groups = decay_groups(model, self.cfg.train.weight_decay)
+        kwargs = adamw_kwargs(self.cfg.train, self.device)
+        kwargs.pop("foreach", None)
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      process_group=self.mesh.group("fsdp"), parameters_as_bucket_view=False,
+                                      weight_decay=groups[0]["weight_decay"], **kwargs)
+        opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
+        return opt
+
+    def memory_report(self, model, optimizer) -> dict[str, int]:
+        report = super().memory_report(model, optimizer.optim)
+        return report
+
+
+class FSDP(DataParallel):
+    """FSDP2 over the data mesh: zero=3 reshards parameters after forward, zero=2 keeps them gathered."""
+
+    name = "fsdp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from fourfold.parallel.fsdp import apply_fsdp
+
+        p = self.cfg.parallel
+        reshard = p.reshard_after_forward and not (p.fsdp > 1 and p.zero == 2)
+        return apply_fsdp(model, self.mesh.hsdp_mesh(), p, reshard_after_forward=reshard)
+
+    def grad_sync(self, model: nn.Module, enabled: bool):
+        for m in model.modules() if isinstance(model, nn.ModuleList) else [model]:
+            if hasattr(m, "set_requires_gradient_sync"):
+                m.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+
+def _local_world_size() -> int:
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def build_data_parallel(mesh: ParallelMesh, cfg: Config, device: torch.device) -> DataParallel:
-    """The strategy the layout asks for."""
-    return DataParallel(mesh, cfg, device)
+    """The strategy the layout asks for (see the table in the module docstring)."""
+    p = cfg.parallel
+    data_ranks = p.dp * p.fsdp * p.cp
+    if data_ranks == 1:
+        return DataParallel(mesh, cfg, device)
+    needs_fsdp = p.tp > 1 or p.cp > 1 or p.fsdp > 1
+    if p.fsdp > 1 and p.zero == 1 and p.dp == 1 and p.tp == 1 and p.cp == 1:
+        return Zero1(mesh, cfg, device)
+    if needs_fsdp:
+        return FSDP(mesh, cfg, device)
+    return DDP(mesh, cfg, device)

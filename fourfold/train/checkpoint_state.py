@@ -55,8 +55,30 @@ def full_model_state(model) -> dict[str, torch.Tensor]:
     return {canonical(k): _local(v).detach().cpu() for k, v in state.items()}
 
 
+def _param_names(model, optimizer) -> list[str]:
+    """Canonical names of the optimizer's parameters, in param-group order (torch's integer ids)."""
+    name_of = {id(p): canonical(n) for n, p in as_module(model).named_parameters()}
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def _zero_state(model, optimizer) -> dict:
+    """ZeroRedundancyOptimizer (ZeRO-1): gather every rank's shard of the state, then name it."""
+    import torch.distributed as dist
+
+    optimizer.consolidate_state_dict(to=0)
+    sd = optimizer.state_dict() if dist.get_rank() == 0 else None
+    box = [sd]
+    dist.broadcast_object_list(box, src=0)
+    sd, names = box[0], _param_names(model, optimizer)
+    state = {names[i]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in sd["state"].items()}
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
 def full_optimizer_state(model, optimizer) -> dict:
     """The optimizer's state dict with full tensors keyed by canonical parameter names."""
+    if hasattr(optimizer, "consolidate_state_dict"):
+        return _zero_state(model, optimizer)
     sd = get_optimizer_state_dict(as_module(model), optimizer, options=FULL)
     state = {canonical(k): {n: _local(v).detach().cpu() if torch.is_tensor(v) else v for n, v in s.items()}
              for k, s in sd["state"].items()}
@@ -103,7 +125,13 @@ def set_full_state(model, optimizer, tensors: dict[str, torch.Tensor], optim_sta
                                   "config.")
     by_raw = {k: tensors[canonical(k)] for k in module.state_dict()}
     set_model_state_dict(module, by_raw, options=FULL)
-    if optimizer is not None and optim_state is not None:
+    if optimizer is not None and optim_state is not None and hasattr(optimizer, "consolidate_state_dict"):
+        names = _param_names(module, optimizer)
+        index = {n: i for i, n in enumerate(names)}
+        state = {index[n]: s for n, s in optim_state["state"].items()}
+        groups = [{**g, "params": [index[p] for p in g["params"]]} for g in optim_state["param_groups"]]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    elif optimizer is not None and optim_state is not None:
         raw_names = {canonical(k): k for k in module.state_dict()}
         state = {raw_names.get(n, n): s for n, s in optim_state["state"].items() if n in raw_names}
         groups = [{**g, "params": [raw_names[p] for p in g["params"] if p in raw_names]}
