@@ -13,6 +13,8 @@ Hooks the parallel code relies on:
   only has to shard the weights.
 - The attention core (`Attention.core`) is a module of its own: context parallel swaps it for ring
   attention, selective recomputation wraps it.
+- `seq_shards`: sequence parallel sets it to tp, since hidden states then hold seq / tp positions
+  and the rotary table must still cover the whole sequence.
 - `forward(tokens, positions=None)`: `positions` gives each token's absolute position (context
   parallel passes its chunk's positions); by default 0..seq-1.
 """
@@ -29,7 +31,7 @@ from fourfold.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 and cast back to the input dtype."""
+    """Root-mean-square layer norm, computed in at least float32 and cast back to the input dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -37,9 +39,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        wide = torch.promote_types(x.dtype, torch.float32)  # float32 for bf16/fp16, float64 stays float64
+        xw = x.to(wide)
+        normed = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.to(wide)).to(x.dtype)
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -144,6 +147,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.seq_shards = 1  # sequence parallel sets tp: hidden states then hold seq / tp positions
         cos, sin = rotary_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -165,7 +169,7 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1]
+        seq = h.shape[1] * self.seq_shards
         if positions is None:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         else:

@@ -47,13 +47,33 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def _by_mesh(params) -> list[list[torch.Tensor]]:
+    """Parameters with gradients, grouped so foreach kernels never mix plain tensors and DTensors of
+    different meshes (tensor parallel leaves norms plain and shards linears)."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+    return list(groups.values())
+
+
+def clip_with_norm(params, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / total_norm), group by group."""
+    for group in _by_mesh(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm.to(group[0].grad.dtype), foreach=True)
+
+
 def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """2-norm over all gradients; DTensor gradients (FSDP/TP shards) are reduced over their meshes."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    groups = _by_mesh(params)
+    if not groups:
+        return torch.zeros((), dtype=torch.float64)
+    squares = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.double() ** 2)
+    return torch.stack(squares).sum().sqrt()
 
 
 class DataParallel:
@@ -77,7 +97,7 @@ class DataParallel:
         params = [p for p in model.parameters() if p.grad is not None]
         norm = total_grad_norm(params)
         if max_norm > 0 and params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(params[0].grad.dtype), foreach=True)
+            clip_with_norm(params, max_norm, norm)
         return norm
 
     def memory_report(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -49,21 +49,16 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """2-norm over gradients that may be DTensors (their norm is reduced over their mesh)."""
-    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
 def clip_across_stages(params, max_norm: float, pp_group) -> torch.Tensor:
     """Clip by the global gradient norm over all pipeline stages (each stage holds some parameters)."""
     import torch.distributed as dist
 
+    from fourfold.parallel.data import clip_with_norm, total_grad_norm
+
     with_grad = [p for p in params if p.grad is not None]
-    local = _total_norm([p.grad for p in with_grad]) if with_grad else torch.zeros(())
-    squared = (local.double() ** 2).reshape(1)
+    squared = (total_grad_norm(with_grad).double() ** 2).reshape(1).to(with_grad[0].device if with_grad else "cpu")
     dist.all_reduce(squared, group=pp_group)
     total = squared.sqrt()[0]
     if max_norm > 0 and with_grad:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total.to(with_grad[0].grad.dtype), foreach=True)
+        clip_with_norm(with_grad, max_norm, total)
     return total
