@@ -29,7 +29,7 @@ class StepContext:
     """fp16: multiply the loss by the loss scale before backward."""
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
+def as_plain_tensor(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (the vocab-parallel loss) as an ordinary tensor, for accumulation."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -60,7 +60,7 @@ def forward_backward(model: nn.Module, micro_batches: list, ctx: StepContext, gr
             if ctx.scale_loss is not None:
                 scaled = ctx.scale_loss(scaled)
             scaled.backward()
-        total += _plain(loss.detach())
+        total += as_plain_tensor(loss.detach())
     return total / n
 
 
@@ -71,5 +71,5 @@ def evaluate(model: nn.Module, batches: list, ctx: StepContext) -> torch.Tensor:
     for inputs, targets in batches:
         inputs, targets, positions = _prepare(inputs, targets, ctx)
         with ctx.loss_context(), ctx.autocast():
-            total += _plain(ctx.loss_fn(model(inputs, positions), targets)).double()
+            total += as_plain_tensor(ctx.loss_fn(model(inputs, positions), targets)).double()
     return total / max(1, len(batches))

@@ -30,7 +30,7 @@ from fourfold.parallel.data import build_data_parallel
 from fourfold.train.losses import build_loss
 from fourfold.train.metrics import MetricsWriter, TrainProgress, format_bytes
 from fourfold.train.optim import clip_across_stages, lr_at, set_lr
-from fourfold.train.step import StepContext, evaluate, forward_backward
+from fourfold.train.step import StepContext, as_plain_tensor, evaluate, forward_backward
 
 
 @dataclass
@@ -185,7 +185,7 @@ class Trainer:
                 micro = [self.ctx.shard_batch(x, y) for x, y in micro]
             with self.ctx.loss_context():
                 loss = self.executor.step(micro)
-            loss = loss if loss is not None else torch.zeros((), device=self.device)
+            loss = as_plain_tensor(loss) if loss is not None else torch.zeros((), device=self.device)
         else:
             loss = forward_backward(self.model, micro, self.ctx, self._grad_sync)
         skipped = False
@@ -301,7 +301,7 @@ class Trainer:
             with self.ctx.loss_context():
                 for group in groups:
                     out = self.executor.evaluate(group)
-                    total += out if out is not None else 0.0
+                    total += as_plain_tensor(out) if out is not None else 0.0
             val = self._global_mean(total / len(groups))
         else:
             val = self._global_mean(evaluate(self.model, self.val_batches, self.ctx))

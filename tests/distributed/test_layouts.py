@@ -39,6 +39,13 @@ LAYOUTS = {
     "pp2-zb": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble"}),
     "pp2-vpp2": (2, {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "interleaved-1f1b"}),
     "pp2-fsdp2": (4, {"parallel.pp": 2, "parallel.fsdp": 2}),
+    "tp4-kv-split": (4, {"parallel.tp": 4, "model.n_kv_heads": 4}),
+    "cp4": (4, {"parallel.cp": 4}),
+    "cp2-allgather": (2, {"parallel.cp": 2, "parallel.cp_method": "allgather"}),
+    "pp4-1f1b": (4, {"parallel.pp": 4}),
+    "pp4-zb": (4, {"parallel.pp": 4, "parallel.pp_schedule": "zero-bubble"}),
+    "4d-pp2-fsdp2-tp2": (8, {"parallel.pp": 2, "parallel.fsdp": 2, "parallel.tp": 2}),
+    "pp2-cp2-tp2": (8, {"parallel.pp": 2, "parallel.cp": 2, "parallel.tp": 2}),
 }
 FAST = {"dp2", "fsdp2", "tp2-sp", "cp2", "pp2-1f1b"}
 
@@ -50,21 +57,33 @@ def _train_rank(rank: int, world: int, tmp: str, overrides: dict, run: str) -> N
     train(cfg, Path(tmp) / run)
 
 
+MODEL_KEYS = ("model.",)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The single-process run every layout is compared with."""
+def references(tmp_path_factory):
+    """Single-process runs, one per model shape used in the table (most layouts share the default)."""
     from fourfold.train.trainer import train
 
     tmp = tmp_path_factory.mktemp("layouts")
-    cfg = tiny_config(tmp, **{"train.precision": "fp64", "train.steps": STEPS})
-    train(cfg, tmp / "single")
-    return tmp, losses(tmp / "single"), final_weights(tmp / "single")
+    cache = {}
+
+    def get(overrides: dict):
+        model = {k: v for k, v in overrides.items() if k.startswith(MODEL_KEYS)}
+        key = tuple(sorted(model.items()))
+        if key not in cache:
+            run = tmp / f"single-{len(cache)}"
+            train(tiny_config(tmp, **{"train.precision": "fp64", "train.steps": STEPS, **model}), run)
+            cache[key] = (losses(run), final_weights(run))
+        return tmp, *cache[key]
+
+    return get
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
-def test_layout_matches_single_process(name, reference):
-    tmp, ref_losses, ref_weights = reference
+def test_layout_matches_single_process(name, references):
     ranks, overrides = LAYOUTS[name]
+    tmp, ref_losses, ref_weights = references(overrides)
     run_ranks(_train_rank, ranks, args=(str(tmp), overrides, name))
     got_losses = losses(tmp / name)
     assert len(got_losses) == STEPS
