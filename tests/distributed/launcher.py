@@ -10,6 +10,7 @@ that rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -30,7 +31,9 @@ def _child(rank: int, world_size: int, port: int, fn, args, queue) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
+        # Plain pickle copies tensors by value; the queue's own pickler would pass them as shared-memory
+        # handles that vanish when this process exits.
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -55,7 +58,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 300.0) -> 
         if status == "error":
             errors.append(f"rank {rank} failed:\n{payload}")
             break
-        results[rank] = payload
+        results[rank] = pickle.loads(payload)
     for p in procs:
         p.join(timeout=5 if errors else timeout)
         if p.is_alive():

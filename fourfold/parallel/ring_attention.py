@@ -1,0 +1,167 @@
+"""Ring attention: exact causal attention over a sequence whose load-balanced chunks live on the cp ranks.
+
+    out = ring_attention(q, k, v, group, cp_rank, cp)   # q (b, hq, s_local, d), k/v (b, hkv, s_local, d)
+
+Each rank holds global chunks (r, 2cp-1-r) of every sequence (see fourfold/parallel/context.py). The
+K/V blocks travel around the ring (rank r sends to r+1), cp-1 hops; at hop t rank r holds the block of
+owner (r - t) mod cp and attends its queries to it. Which query/key pairs the causal mask keeps depends
+only on the two ranks involved (`block_plan`):
+
+    owner == r   local queries vs local keys, causal (the two chunks are in increasing global order)
+    owner <  r   all local queries vs the owner's first chunk, no mask (that chunk precedes both of ours)
+    owner >  r   our second chunk vs all the owner's keys, no mask (our first chunk precedes both of theirs)
+
+so every hop does the same work on every rank and nothing is masked out but the diagonal block.
+Partial results are merged exactly by their log-sum-exp (online softmax), kept in at least float32.
+
+The backward is an autograd Function of its own: it recomputes each block's probabilities from the
+saved final log-sum-exp (the flash-attention recipe), keeps dQ local, and sends the K/V blocks around
+the ring again together with their dK/dV accumulators, which arrive back at their owner after cp hops.
+Every hop's send/receive is posted before the hop's compute, so communication overlaps computation.
+
+The per-block math is plain matmul + softmax so it runs on CPU (gloo tests, float64); masks are never
+larger than one block, and the loop has no host synchronisation (`.item()`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fourfold.parallel.comm import send_recv_next
+
+
+def block_plan(cp_rank: int, owner: int, cp: int, local_len: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) of the attention between rank `cp_rank`'s queries and `owner`'s keys.
+
+    `local_len` is the local sequence length (two chunks). Rows outside the returned slices see none of
+    the other rank's keys; `causal` means the block is square and lower-triangular.
+    """
+    half = local_len // 2
+    if owner == cp_rank:
+        return slice(0, local_len), slice(0, local_len), True
+    if owner < cp_rank:
+        return slice(0, local_len), slice(0, half), False
+    return slice(half, local_len), slice(0, local_len), False
+
+
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype: float32 for half types, float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """q (b, hkv, g, sq, d) against k (b, hkv, sk, d): scaled scores (b, hkv, g, sq, sk), causally masked."""
+    scores = (q @ k.unsqueeze(2).transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = scores.shape[-2:]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention: (output (b, hkv, g, sq, d), log-sum-exp (b, hkv, g, sq)), all in q's dtype.
+
+    A causal block is square, so every row sees at least its diagonal key and the lse stays finite.
+    """
+    scores = _scores(q, k, causal, scale)
+    lse = scores.logsumexp(dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return probs @ v.unsqueeze(2), lse
+
+
+def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
+    """Gradients (dq, dk, dv) of one block, given the *final* lse and delta = rowsum(dout * out) of q's rows.
+
+    With the final lse the recomputed probabilities are the block's share of the full softmax, so the
+    block gradients add up to the gradient of the whole attention.
+    """
+    probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    dv = (probs.transpose(-1, -2) @ dout).sum(dim=2)
+    dprobs = dout @ v.unsqueeze(2).transpose(-1, -2)
+    dscores = probs * (dprobs - delta.unsqueeze(-1))
+    dq = (dscores @ k.unsqueeze(2)) * scale
+    dk = (dscores.transpose(-1, -2) @ q).sum(dim=2) * scale
+    return dq, dk, dv
+
+
+def _merge(out, lse, rows: slice, block_out, block_lse) -> None:
+    """Fold one block's (output, lse) into the running result for query `rows`, in place (online softmax)."""
+    old_out, old_lse = out[..., rows, :], lse[..., rows]
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    out[..., rows, :] = (old_out * torch.exp(old_lse - new_lse).unsqueeze(-1)
+                         + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse[..., rows] = new_lse
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, cp_rank: int, cp: int):
+        b, hq, s, d = q.shape
+        hkv = k.shape[1]
+        wide = wide_dtype(q.dtype)
+        scale = 1.0 / math.sqrt(d)
+        q_wide = q.reshape(b, hkv, hq // hkv, s, d).to(wide)  # query heads grouped under their kv head
+        out = q_wide.new_zeros(q_wide.shape)
+        lse = q_wide.new_full(q_wide.shape[:-1], float("-inf"))
+        k_cur, v_cur = k, v
+        for hop in range(cp):
+            # Post the next hop's exchange first so it travels while this block is computed.
+            pending = send_recv_next([k_cur, v_cur], group, async_op=True) if hop + 1 < cp else None
+            rows, cols, causal = block_plan(cp_rank, (cp_rank - hop) % cp, cp, s)
+            block_out, block_lse = block_forward(q_wide[..., rows, :], k_cur[:, :, cols].to(wide),
+                                                 v_cur[:, :, cols].to(wide), causal, scale)
+            _merge(out, lse, rows, block_out, block_lse)
+            if pending is not None:
+                k_cur, v_cur = pending.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.cp_rank, ctx.cp, ctx.scale = group, cp_rank, cp, scale
+        return out.reshape(b, hq, s, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, cp_rank, cp, scale = ctx.group, ctx.cp_rank, ctx.cp, ctx.scale
+        wide = out.dtype
+        q_wide = q.reshape(out.shape).to(wide)
+        dout = dout.reshape(out.shape).to(wide)
+        delta = (dout * out).sum(dim=-1)
+        dq = torch.zeros_like(q_wide)
+        k_cur, v_cur = k, v
+        dkv_pending = None
+        for hop in range(cp):
+            kv_pending = send_recv_next([k_cur, v_cur], group, async_op=True) if hop + 1 < cp else None
+            rows, cols, causal = block_plan(cp_rank, (cp_rank - hop) % cp, cp, q.shape[2])
+            block_dq, block_dk, block_dv = block_backward(
+                q_wide[..., rows, :], k_cur[:, :, cols].to(wide), v_cur[:, :, cols].to(wide),
+                dout[..., rows, :], lse[..., rows], delta[..., rows], causal, scale)
+            dq[..., rows, :] += block_dq
+            # The accumulators for this owner's K/V come from the previous rank (its previous hop).
+            if dkv_pending is None:
+                dk_acc, dv_acc = k.new_zeros(k.shape, dtype=wide), v.new_zeros(v.shape, dtype=wide)
+            else:
+                dk_acc, dv_acc = dkv_pending.wait()
+            dk_acc[:, :, cols] += block_dk
+            dv_acc[:, :, cols] += block_dv
+            # Fresh tensors each hop: the ones sent stay untouched while in flight.
+            dkv_pending = send_recv_next([dk_acc, dv_acc], group, async_op=True)
+            if kv_pending is not None:
+                k_cur, v_cur = kv_pending.wait()
+        dk, dv = dkv_pending.wait()  # after cp hops every accumulator is back at its owner
+        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp_rank: int, cp: int) -> torch.Tensor:
+    """Exact causal attention of this rank's q (b, hq, s, d) over the whole sequence split across `group`.
+
+    k and v are (b, hkv, s, d) with hq a multiple of hkv (grouped-query attention: query head h uses kv
+    head h // (hq / hkv)). `cp_rank` and `cp` are this rank's index in and the size of `group`.
+    """
+    if q.shape[1] % k.shape[1] or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"ring attention needs q (b, hq, s, d) and k, v (b, hkv, s, d) with hkv dividing hq; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % 2:
+        raise ValueError(f"the local sequence ({q.shape[2]}) must hold two equal chunks")
+    return _RingAttention.apply(q, k, v, group, cp_rank, cp)
