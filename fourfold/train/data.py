@@ -4,8 +4,13 @@
     micro_batches = train_batches.next_step()      # [(inputs, targets), ...] for this rank
 
 The corpus is tokenized once into `data.cache_dir/<key>/tokens.bin` (uint16 or uint32), the key hashing
-the text read, the tokenizer and the byte limit. In a distributed run rank 0 builds it (is_writer=True),
-the caller puts a barrier, and every rank then maps it (is_writer=False only locates it).
+the bytes read, the tokenizer and the byte limit. In a distributed run one rank builds it
+(`is_writer=True`), the caller puts a barrier, and then every rank maps it (`is_writer=False` only
+computes the key and locates the file, so it must run after the barrier):
+
+    if is_main: build_data(cfg, r, D, is_writer=True)
+    barrier()
+    tokenizer, batches, val = build_data(cfg, r, D, is_writer=False)
 
 Batches: each optimizer step draws `global_batch` sequence indices from a seeded permutation; data rank
 r of D takes the r-th contiguous slice and splits it into micro-batches. Concatenating every rank's
@@ -45,47 +50,60 @@ def source_files(path: str | None) -> list[Path]:
     if p.is_file():
         return [p]
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in
-                                                                              f.relative_to(p).parts))
-    else:
-        files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not _looks_binary(f) and
+                       not any(part.startswith(".") for part in f.relative_to(p).parts))
+        if not files:
+            raise ConfigError(f"data.path '{path}' is a directory with no text files in it; point data.path at "
+                              "text files, or leave it unset to train on the Python standard library.")
+        return files
+    files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
     if not files:
-        raise ConfigError(f"data.path '{path}' matches no files; give a text file, a directory or a glob "
+        what = "matches no files" if any(c in path for c in "*?[") else "does not exist"
+        raise ConfigError(f"data.path '{path}' {what}; give a text file, a directory or a glob "
                           "(e.g. 'data/*.txt'), or leave it unset to train on the Python standard library.")
     return files
 
 
-def _read_documents(files: list[Path], max_bytes: int) -> list[str]:
+def _looks_binary(path: Path) -> bool:
+    """A file whose first KiB holds a NUL byte is treated as binary (images, archives, compiled files)."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(1024)
+
+
+def _read_documents(files: list[Path], max_bytes: int) -> list[bytes]:
+    """The raw bytes of each text file in order, stopping once max_bytes (0: no limit) have been read."""
     docs, total = [], 0
     for f in files:
-        raw = f.read_bytes()
+        with open(f, "rb") as fh:
+            raw = fh.read(max_bytes - total) if max_bytes else fh.read()
         if b"\0" in raw[:1024]:
-            continue  # binary file
-        if max_bytes and total + len(raw) > max_bytes:
-            raw = raw[: max_bytes - total]
-        docs.append(raw.decode("utf-8", errors="replace"))
+            continue  # binary file (a named file or glob match; directories are filtered earlier)
+        docs.append(raw)
         total += len(raw)
         if max_bytes and total >= max_bytes:
             break
     return docs
 
 
-def _encode(docs: list[str], tokenizer) -> np.ndarray:
+def _encode(docs: list[bytes], tokenizer) -> np.ndarray:
+    """One flat token array: each document's ids followed by eos (when the tokenizer has one)."""
     dtype = np.uint16 if tokenizer.vocab_size < 2**16 else np.uint32
     eos = tokenizer.eos_id
     if isinstance(tokenizer, ByteTokenizer):
         parts = []
-        for d in docs:
-            parts.append(np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(dtype))
+        for d in docs:  # invalid UTF-8 is normalised the same way ByteTokenizer.encode would see it
+            text = d.decode("utf-8", errors="replace").encode("utf-8")
+            parts.append(np.frombuffer(text, dtype=np.uint8).astype(dtype))
             parts.append(np.array([eos], dtype=dtype))
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
     out = []
-    for ids in tokenizer.encode_batch(docs):
+    for ids in tokenizer.encode_batch([d.decode("utf-8", errors="replace") for d in docs]):
         out.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=dtype))
     return np.concatenate(out) if out else np.zeros(0, dtype)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename: readers never see half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -99,16 +117,22 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def token_file(data_cfg: DataConfig, tokenizer, is_writer: bool = True) -> Path:
-    """Path of the cached token file for these sources and tokenizer, building it if `is_writer`."""
+def token_file(data_cfg: DataConfig, tokenizer, rank_is_writer: bool = True) -> Path:
+    """Path of the cached token file for these sources and tokenizer, building it if `rank_is_writer`.
+
+    The cache lives in `data_cfg.cache_dir/<key>/` (tokens.bin plus meta.json); the key hashes the bytes
+    read, the tokenizer's name and max_bytes, so a found cache is reused without tokenizing again. With
+    `rank_is_writer=False` nothing is written: call it on the other ranks only after a barrier that
+    follows the writer's call.
+    """
     docs = _read_documents(source_files(data_cfg.path), data_cfg.max_bytes)
     h = hashlib.sha256()
     for d in docs:
-        h.update(hashlib.sha256(d.encode("utf-8")).digest())
+        h.update(hashlib.sha256(d).digest())  # per-document digests keep file boundaries in the key
     h.update(f"{tokenizer.name}|{data_cfg.max_bytes}".encode())
     folder = Path(data_cfg.cache_dir) / h.hexdigest()[:20]
     tokens_path, meta_path = folder / "tokens.bin", folder / "meta.json"
-    if meta_path.is_file() or not is_writer:
+    if meta_path.is_file() or not rank_is_writer:
         return tokens_path
     folder.mkdir(parents=True, exist_ok=True)
     tokens = _encode(docs, tokenizer)
@@ -125,10 +149,16 @@ class PackedSequences:
     def __init__(self, token_path: Path, seq_len: int, split: str, val_fraction: float):
         meta_path = Path(token_path).parent / "meta.json"
         if not meta_path.is_file():
-            raise ConfigError(f"Token cache {token_path} is incomplete (no meta.json); delete "
-                              f"{Path(token_path).parent} and run again.")
+            raise ConfigError(f"Token cache {token_path} is missing or incomplete (no meta.json). In a "
+                              "distributed run the writer rank must build it before a barrier; otherwise "
+                              f"delete {Path(token_path).parent} and run again.")
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         meta = json.loads(meta_path.read_text())
-        self.tokens = np.memmap(token_path, dtype=np.dtype(meta["dtype"]), mode="r")
+        dtype = np.dtype(meta["dtype"])
+        # numpy cannot map an empty file; an empty corpus then fails the size check below
+        self.tokens = (np.memmap(token_path, dtype=dtype, mode="r") if meta["n_tokens"] > 0
+                       else np.zeros(0, dtype))
         self.seq_len = seq_len
         windows = len(self.tokens) // (seq_len + 1)
         n_val = math.ceil(val_fraction * windows) if val_fraction > 0 else 0
@@ -142,6 +172,9 @@ class PackedSequences:
         return self.count
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        """Window i of this split: seq_len + 1 token ids (inputs are [:-1], targets [1:])."""
+        if not 0 <= i < self.count:
+            raise IndexError(f"window {i} out of range for a split of {self.count}")
         w = self.start + i
         chunk = self.tokens[w * (self.seq_len + 1):(w + 1) * (self.seq_len + 1)]
         return torch.from_numpy(chunk.astype(np.int64))
@@ -151,6 +184,9 @@ class GlobalBatchSampler:
     """Deterministic, infinite: epoch e is a permutation drawn from seed + e; resumable by position."""
 
     def __init__(self, num_sequences: int, global_batch: int, seed: int):
+        if num_sequences < 1 or global_batch < 1:
+            raise ConfigError(f"The sampler needs at least one sequence and a global batch of at least one, "
+                              f"got {num_sequences} sequences and train.global_batch={global_batch}.")
         self.n, self.global_batch, self.seed = num_sequences, global_batch, seed
         self.epoch, self.position = 0, 0
         self._perm = self._permutation(0)
@@ -160,6 +196,7 @@ class GlobalBatchSampler:
         return torch.randperm(self.n, generator=gen).tolist()
 
     def next_batch(self) -> list[int]:
+        """The next global_batch indices; a batch that reaches the end of an epoch continues into the next."""
         out = []
         while len(out) < self.global_batch:
             if self.position == self.n:
@@ -191,10 +228,17 @@ class TrainBatches:
 
     def __init__(self, dataset: PackedSequences, sampler: GlobalBatchSampler, micro_batch: int,
                  data_rank: int, data_world: int):
+        if sampler.global_batch % (micro_batch * data_world):
+            raise ConfigError(f"train.global_batch ({sampler.global_batch}) must be a multiple of "
+                              f"train.micro_batch * data-parallel ranks = {micro_batch} * {data_world}.")
+        if not 0 <= data_rank < data_world:
+            raise ValueError(f"data_rank {data_rank} is outside 0..{data_world - 1}")
         self.dataset, self.sampler = dataset, sampler
         self.micro_batch, self.rank, self.world = micro_batch, data_rank, data_world
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Draw one global batch; return this rank's micro-batches, each (inputs, targets) of
+        shape (micro_batch, seq_len)."""
         indices = self.sampler.next_batch()
         per_rank = len(indices) // self.world
         mine = indices[self.rank * per_rank:(self.rank + 1) * per_rank]

@@ -20,12 +20,15 @@ class ByteTokenizer:
     name = "byte"
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of `text` as ids; no eos is added."""
         return list(text.encode("utf-8"))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` applied to each text."""
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
+        """Text from byte ids; ids >= 256 (eos) are skipped and invalid UTF-8 becomes U+FFFD."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
@@ -47,12 +50,15 @@ class HFTokenizer:
         self.name = f"hf-{hashlib.sha256(data).hexdigest()[:16]}"
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without the tokenizer's special-token template (no bos/eos)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, encoded in parallel by the Rust library."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
+        """Text from token ids (special tokens skipped)."""
         return self._tok.decode(ids)
 
 
@@ -67,4 +73,5 @@ def load_tokenizer(spec: str):
     try:
         return HFTokenizer(path)
     except Exception as e:  # tokenizers raises its own exception types for malformed files
-        raise ConfigError(f"data.tokenizer '{spec}' could not be read as a Hugging Face tokenizer.json ({e}).") from None
+        raise ConfigError(f"data.tokenizer '{spec}' could not be read as a Hugging Face tokenizer.json ({e}); "
+                          "data.tokenizer takes 'byte' or the path of a valid tokenizer.json.") from None
