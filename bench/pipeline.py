@@ -39,7 +39,7 @@ def run_group(vpp: int, schedules: list[str], args) -> None:
     rank = dist.get_rank()
     vocab, rows = cfg.model.vocab_size, []
     gen = torch.Generator().manual_seed(0)
-    flops = training_flops_per_token(cfg.model, args.seq)
+    flops, peak = training_flops_per_token(cfg.model, args.seq), peak_flops(trainer.device)
     for schedule in schedules:
         for m in [int(x) for x in args.micro_batches.split(",")]:
             if schedule == "interleaved-1f1b" and m % 2:
@@ -68,7 +68,7 @@ def run_group(vpp: int, schedules: list[str], args) -> None:
             if rank == 0:
                 tps = m * args.micro_batch * args.seq / sec
                 row = {"schedule": schedule, "vpp": vpp, "m": m, "step_ms": 1000 * sec, "tokens_per_s": tps,
-                       "tokens_per_s_per_gpu": tps / 2, "mfu": flops * tps / (2 * peak_flops(trainer.device)),
+                       "tokens_per_s_per_gpu": tps / 2, "mfu": flops * tps / (2 * peak) if peak else None,
                        "bubble_measured": pipeline_bubble(timelines),
                        "bubble_analytic": analytic_bubble(schedule, 2, vpp, m)}
                 rows.append(row)
@@ -109,7 +109,7 @@ def main() -> None:
     print(f"\n{'schedule':18s} {'m':>3s} {'tok/s/gpu':>10s} {'MFU':>6s} {'bubble':>7s} {'formula':>8s} {'ratio':>6s}")
     for r in rows:
         ratio = r["bubble_measured"] / r["bubble_analytic"] if r["bubble_analytic"] else float("nan")
-        print(f"{r['schedule']:18s} {r['m']:3d} {r['tokens_per_s_per_gpu']:10,.0f} {100 * r['mfu']:5.1f}% "
+        print(f"{r['schedule']:18s} {r['m']:3d} {r['tokens_per_s_per_gpu']:10,.0f} {100 * (r['mfu'] or 0):5.1f}% "
               f"{100 * r['bubble_measured']:6.1f}% {100 * r['bubble_analytic']:7.1f}% {ratio:6.2f}")
     with open(os.path.join(args.out_dir, "pipeline.json"), "w") as f:
         json.dump({"args": vars(args), "results": rows}, f, indent=2)
