@@ -27,6 +27,7 @@ def run_group(vpp: int, schedules: list[str], args) -> None:
     import torch
     import torch.distributed as dist
 
+    from fourfold.config import build_config
     from fourfold.hardware import peak_flops
     from fourfold.models.llama import training_flops_per_token
     from fourfold.parallel.pipeline import (PipelineExecutor, analytic_bubble, draw_timeline, pipeline_bubble,
@@ -34,6 +35,9 @@ def run_group(vpp: int, schedules: list[str], args) -> None:
 
     overrides = {"parallel.pp": 2, "parallel.vpp": vpp,
                  "parallel.pp_schedule": "interleaved-1f1b" if vpp > 1 else "1f1b"}
+    n_layers, stages = build_config({}, {"model.preset": args.preset}).model.n_layers, 2 * vpp
+    if n_layers % stages:  # e.g. the 1.1B preset's 22 blocks over 4 chunks: 6, 6, 5, 5 (11 per rank)
+        overrides["parallel.pp_layers"] = [n_layers // stages + (i < n_layers % stages) for i in range(stages)]
     _, cfg, trainer = fourfold_step(args.preset, args.micro_batch, args.seq, overrides,
                                     global_batch=args.micro_batch * 2)
     rank = dist.get_rank()
