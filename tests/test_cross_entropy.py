@@ -1,0 +1,39 @@
+"""The chunked cross-entropy equals F.cross_entropy in value and gradient, whatever the chunk size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fourfold.ops.cross_entropy import cross_entropy
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_matches_torch_cross_entropy(chunk, dtype):
+    gen = torch.Generator().manual_seed(chunk)
+    logits = (3 * torch.randn(2, 32, 50, generator=gen, dtype=dtype)).requires_grad_()
+    targets = torch.randint(0, 50, (2, 32), generator=gen)
+    upstream = torch.tensor(1.7, dtype=dtype)
+
+    ours = cross_entropy(logits, targets, chunk)
+    (grad,) = torch.autograd.grad(ours * upstream, logits)
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    (ref_grad,) = torch.autograd.grad(ref * upstream, logits)
+
+    tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours, ref, **tol)
+    torch.testing.assert_close(grad, ref_grad, **tol)
+
+
+def test_bfloat16_logits_are_reduced_in_float32():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 16, 40, generator=gen).bfloat16().requires_grad_()
+    targets = torch.randint(0, 40, (4, 16), generator=gen)
+    ours = cross_entropy(logits, targets, chunk=8)
+    assert ours.dtype == torch.float32
+    ours.backward()
+    assert logits.grad.dtype == torch.bfloat16
+    ref = F.cross_entropy(logits.detach().float().flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(ours.detach(), ref, rtol=1e-6, atol=1e-6)
