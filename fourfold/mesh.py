@@ -64,6 +64,9 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         raise LayoutError(f"Context parallel splits each sequence into 2*cp={2 * p.cp} chunks (load balance); "
                           f"train.seq_len ({t.seq_len}) must be a multiple of {2 * p.cp}.")
     stages = p.pp * p.vpp
+    if p.vpp > 1 and p.pp == 1:
+        raise LayoutError(f"parallel.vpp={p.vpp} splits each pipeline rank into virtual stages but parallel.pp is 1; "
+                          "set --parallel.pp 2 or more, or --parallel.vpp 1.")
     if p.vpp > 1 and p.pp_schedule not in ("interleaved-1f1b", "zero-bubble"):
         raise LayoutError(f"parallel.vpp={p.vpp} needs an interleaved schedule; set "
                           "--parallel.pp_schedule interleaved-1f1b or --parallel.vpp 1.")
@@ -89,6 +92,9 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         if p.pp_schedule == "interleaved-1f1b" and micro % p.pp:
             raise LayoutError(f"Interleaved 1F1B needs the micro-batches per step ({micro}) to be a multiple of "
                               f"pp ({p.pp}); change train.global_batch or train.micro_batch.")
+        from fourfold.parallel.schedules import build_schedule
+
+        build_schedule(p.pp_schedule, p.pp, p.vpp, micro, 0)  # the schedule's own rules, checked before init
 
 
 @dataclass

@@ -139,6 +139,14 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                               "checkpoint or retrain.") from None
 
 
+def _read_groups(path: Path) -> list:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"Checkpoint file {path} is missing, truncated or corrupt ({e}); resume from an "
+                              "earlier checkpoint or retrain.") from None
+
+
 def read_meta(path: Path) -> dict:
     try:
         meta = json.loads((Path(path) / "meta.json").read_text())
@@ -170,7 +178,7 @@ def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer=No
                 raise CheckpointError(f"Checkpoint {path} has no optimizer state ({f.name}); it cannot resume "
                                       "training exactly.")
             flat.update(_read_tensors(f))
-            groups.extend(json.loads((path / f"optim-{shard}.json").read_text()))
+            groups.extend(_read_groups(path / f"optim-{shard}.json"))
         optim_state = unflatten_optimizer(flat, groups)
     set_full_state(model, optimizer, tensors, optim_state, origin)
     return meta

@@ -1,0 +1,169 @@
+"""Gradient accumulation is exact and communicates once per optimizer step; a broken gradient collective is caught.
+
+(a) One process: global batch 8 as 4 micro-batches of 2 trains exactly like one micro-batch of 8. On 2 gloo
+    ranks with DDP, a counting comm hook shows every gradient bucket is all-reduced once per optimizer step
+    (on the last micro-step), not once per micro-step; a control step with synchronisation forced on every
+    micro-step shows the count would have doubled.
+(b) The dp=2 parity check of tests/distributed/test_layouts.py is run with sabotaged gradient reductions
+    (summing without dividing by the world size; skipping the all-reduce so ranks drift apart): the
+    comparison against the single-process run must fail, so the layout tests would catch a wrong collective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fourfold.train.metrics import read_metrics
+from tests.distributed.launcher import run_ranks
+from tests.trainer_helpers import final_weights, losses, tiny_config
+
+STEPS = 5
+DP2 = {"parallel.dp": 2, "parallel.bucket_mb": 0.05}  # small buckets: several per step, so counts mean something
+
+
+def _cfg(tmp: Path, **extra):
+    return tiny_config(tmp, **{"train.precision": "fp64", "train.steps": STEPS, **extra})
+
+
+def _grad_norms(run_dir: Path) -> list[float]:
+    return [r["grad_norm"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def assert_matches_reference(run_dir: Path, ref: dict, check_grad_norm: bool = False) -> None:
+    """The parity comparison of tests/distributed/test_layouts.py (losses and final weights, same tolerances),
+    optionally also the pre-clipping gradient norms."""
+    got = losses(run_dir)
+    assert len(got) == STEPS
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref["losses"]), rtol=1e-9, atol=1e-12)
+    if check_grad_norm:
+        torch.testing.assert_close(torch.tensor(_grad_norms(run_dir)), torch.tensor(ref["grad_norms"]),
+                                   rtol=1e-9, atol=1e-12)
+    weights = final_weights(run_dir)
+    assert weights.keys() == ref["weights"].keys()
+    for key, value in ref["weights"].items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-8, atol=1e-10, msg=lambda m: f"{key}: {m}")
+
+
+# ----- single-process accumulation ---------------------------------------------------------------
+
+def test_four_micro_steps_equal_one_big_micro_batch(tmp_path):
+    from fourfold.train.trainer import train
+
+    train(_cfg(tmp_path, **{"train.micro_batch": 2}), tmp_path / "accum4")
+    train(_cfg(tmp_path, **{"train.micro_batch": 8}), tmp_path / "accum1")
+    ref = {"losses": losses(tmp_path / "accum1"), "grad_norms": _grad_norms(tmp_path / "accum1"),
+           "weights": final_weights(tmp_path / "accum1")}
+    assert_matches_reference(tmp_path / "accum4", ref, check_grad_norm=True)
+    assert losses(tmp_path / "accum4")[-1] < losses(tmp_path / "accum4")[0]  # it trained
+
+
+# ----- two ranks: communication per step, and sabotaged reductions --------------------------------
+
+def _allreduce_mean(bucket) -> torch.futures.Future:
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _sum_without_dividing(bucket) -> torch.futures.Future:
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _no_allreduce(bucket) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())  # each rank keeps its own gradient: the replicas drift apart
+    return fut
+
+
+SABOTAGE = {"sum-not-mean": _sum_without_dividing, "local-only": _no_allreduce}
+
+
+def _ranks(rank: int, world: int, tmp: str) -> dict:
+    from fourfold.train.trainer import Trainer
+
+    tmp = Path(tmp)
+    out = {}
+
+    # 1. A correct reduction, counted: (optimizer step, bucket index) of every bucket all-reduce.
+    trainer = Trainer(_cfg(tmp, **DP2), tmp / "counted")
+    calls: list[tuple[int, int]] = []
+
+    def counting(state, bucket):
+        calls.append((trainer.step, bucket.index()))
+        return _allreduce_mean(bucket)
+
+    trainer.model.register_comm_hook(None, counting)
+    trainer.run()
+    logging = trainer.model._get_ddp_logging_data()
+    out["calls"] = list(calls)
+    out["initial_buckets"] = len(str(logging["bucket_sizes"]).split(","))
+    out["rebuilt_buckets"] = len(str(logging["rebuilt_bucket_sizes"]).split(","))
+    out["micro_steps"] = len(trainer.train_batches.next_step())
+    # Control: one more step with gradient sync forced on for every micro-step must reduce more often.
+    trainer._grad_sync = lambda enabled: trainer.dp.grad_sync(trainer.model, True)
+    calls.clear()
+    trainer.train_step()
+    out["forced_calls"] = len(calls)
+
+    # 2. The same layout with broken reductions (rank 0 writes the run's metrics and checkpoint).
+    for name, hook in SABOTAGE.items():
+        trainer = Trainer(_cfg(tmp, **DP2), tmp / name)
+        trainer.model.register_comm_hook(None, lambda state, bucket, hook=hook: hook(bucket))
+        trainer.run()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from fourfold.train.trainer import train
+
+    tmp = tmp_path_factory.mktemp("faults")
+    train(_cfg(tmp), tmp / "single")
+    ref = {"losses": losses(tmp / "single"), "grad_norms": _grad_norms(tmp / "single"),
+           "weights": final_weights(tmp / "single")}
+    results = run_ranks(_ranks, 2, args=(str(tmp),))
+    return tmp, ref, results
+
+
+def test_ddp_reduces_each_bucket_once_per_optimizer_step(runs):
+    tmp, ref, results = runs
+    for result in results:
+        assert result["micro_steps"] == 2  # global 8 = micro 2 x 2 micro-steps x 2 ranks
+        per_step: dict[int, list[int]] = {}
+        for step, index in result["calls"]:
+            per_step.setdefault(step, []).append(index)
+        assert sorted(per_step) == list(range(STEPS))
+        # DDP starts with one bucket and rebuilds them (in backward order) after the first step.
+        assert sorted(per_step[0]) == list(range(result["initial_buckets"]))
+        assert result["rebuilt_buckets"] > 1
+        for step in range(1, STEPS):
+            assert sorted(per_step[step]) == list(range(result["rebuilt_buckets"])), step
+        assert result["forced_calls"] == result["micro_steps"] * result["rebuilt_buckets"]
+    # The counting hook is a correct reduction: this run passes the parity check, gradient norms included.
+    assert_matches_reference(tmp / "counted", ref, check_grad_norm=True)
+
+
+@pytest.mark.parametrize("name", list(SABOTAGE))
+def test_layout_parity_check_catches_a_broken_reduction(name, runs):
+    tmp, ref, _ = runs
+    # Exactly the comparison test_layouts.py makes (losses and final weights) ...
+    with pytest.raises(AssertionError):
+        assert_matches_reference(tmp / name, ref)
+    # ... and with the gradient norms compared as well.
+    with pytest.raises(AssertionError):
+        assert_matches_reference(tmp / name, ref, check_grad_norm=True)
+
+
+def test_sum_without_dividing_is_seen_plainly_in_the_gradient_norm(runs):
+    """AdamW is nearly invariant to a constant gradient scale and clipping rescales the gradient anyway, so a
+    missing 1/world_size shows in losses and weights only through AdamW's epsilon (a few 1e-10 here);
+    the logged pre-clipping gradient norm shows it as a factor of exactly the world size."""
+    tmp, ref, _ = runs
+    ratio = torch.tensor(_grad_norms(tmp / "sum-not-mean")) / torch.tensor(ref["grad_norms"])
+    torch.testing.assert_close(ratio, torch.full_like(ratio, 2.0), rtol=1e-9, atol=0)
+    first = losses(tmp / "sum-not-mean")[0]
+    assert first == pytest.approx(ref["losses"][0], rel=1e-12)  # the first loss precedes any update
