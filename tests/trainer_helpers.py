@@ -40,7 +40,13 @@ def tiny_config(tmp: Path, **overrides):
 
 
 def losses(run_dir: Path) -> list[float]:
+    """The training loss of every logged step, in order."""
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def grad_norms(run_dir: Path) -> list[float]:
+    """The global gradient norm (before clipping) of every logged step, in order."""
+    return [r["grad_norm"] for r in read_metrics(run_dir) if "loss" in r]
 
 
 def final_weights(run_dir: Path) -> dict:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fourfold.train.metrics import read_metrics
 from tests.distributed.launcher import run_ranks
-from tests.trainer_helpers import final_weights, losses, tiny_config
+from tests.trainer_helpers import final_weights, grad_norms, losses, tiny_config
 
 STEPS = 5
 DP2 = {"parallel.dp": 2, "parallel.bucket_mb": 0.05}  # small buckets: several per step, so counts mean something
@@ -29,10 +29,6 @@ def _cfg(tmp: Path, **extra):
     return tiny_config(tmp, **{"train.precision": "fp64", "train.steps": STEPS, **extra})
 
 
-def _grad_norms(run_dir: Path) -> list[float]:
-    return [r["grad_norm"] for r in read_metrics(run_dir) if "loss" in r]
-
-
 def assert_matches_reference(run_dir: Path, ref: dict, check_grad_norm: bool = False) -> None:
     """The parity comparison of tests/distributed/test_layouts.py (losses and final weights, same tolerances),
     optionally also the pre-clipping gradient norms."""
@@ -40,7 +36,7 @@ def assert_matches_reference(run_dir: Path, ref: dict, check_grad_norm: bool = F
     assert len(got) == STEPS
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref["losses"]), rtol=1e-9, atol=1e-12)
     if check_grad_norm:
-        torch.testing.assert_close(torch.tensor(_grad_norms(run_dir)), torch.tensor(ref["grad_norms"]),
+        torch.testing.assert_close(torch.tensor(grad_norms(run_dir)), torch.tensor(ref["grad_norms"]),
                                    rtol=1e-9, atol=1e-12)
     weights = final_weights(run_dir)
     assert weights.keys() == ref["weights"].keys()
@@ -55,7 +51,7 @@ def test_four_micro_steps_equal_one_big_micro_batch(tmp_path):
 
     train(_cfg(tmp_path, **{"train.micro_batch": 2}), tmp_path / "accum4")
     train(_cfg(tmp_path, **{"train.micro_batch": 8}), tmp_path / "accum1")
-    ref = {"losses": losses(tmp_path / "accum1"), "grad_norms": _grad_norms(tmp_path / "accum1"),
+    ref = {"losses": losses(tmp_path / "accum1"), "grad_norms": grad_norms(tmp_path / "accum1"),
            "weights": final_weights(tmp_path / "accum1")}
     assert_matches_reference(tmp_path / "accum4", ref, check_grad_norm=True)
     assert losses(tmp_path / "accum4")[-1] < losses(tmp_path / "accum4")[0]  # it trained
@@ -123,7 +119,7 @@ def runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("faults")
     train(_cfg(tmp), tmp / "single")
-    ref = {"losses": losses(tmp / "single"), "grad_norms": _grad_norms(tmp / "single"),
+    ref = {"losses": losses(tmp / "single"), "grad_norms": grad_norms(tmp / "single"),
            "weights": final_weights(tmp / "single")}
     results = run_ranks(_ranks, 2, args=(str(tmp),))
     return tmp, ref, results
@@ -163,7 +159,7 @@ def test_sum_without_dividing_is_seen_plainly_in_the_gradient_norm(runs):
     missing 1/world_size shows in losses and weights only through AdamW's epsilon (a few 1e-10 here);
     the logged pre-clipping gradient norm shows it as a factor of exactly the world size."""
     tmp, ref, _ = runs
-    ratio = torch.tensor(_grad_norms(tmp / "sum-not-mean")) / torch.tensor(ref["grad_norms"])
+    ratio = torch.tensor(grad_norms(tmp / "sum-not-mean")) / torch.tensor(ref["grad_norms"])
     torch.testing.assert_close(ratio, torch.full_like(ratio, 2.0), rtol=1e-9, atol=0)
     first = losses(tmp / "sum-not-mean")[0]
     assert first == pytest.approx(ref["losses"][0], rel=1e-12)  # the first loss precedes any update

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_ranks
-from tests.trainer_helpers import final_weights, losses, tiny_config
+from tests.trainer_helpers import final_weights, grad_norms, losses, tiny_config
 
 STEPS = 5
 # name -> (ranks, overrides). The base config: 4 layers, 4 heads, 2 kv heads, global batch 8, micro 2.
@@ -74,7 +74,7 @@ def references(tmp_path_factory):
         if key not in cache:
             run = tmp / f"single-{len(cache)}"
             train(tiny_config(tmp, **{"train.precision": "fp64", "train.steps": STEPS, **model}), run)
-            cache[key] = (losses(run), final_weights(run))
+            cache[key] = (losses(run), grad_norms(run), final_weights(run))
         return tmp, *cache[key]
 
     return get
@@ -83,11 +83,14 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
 def test_layout_matches_single_process(name, references):
     ranks, overrides = LAYOUTS[name]
-    tmp, ref_losses, ref_weights = references(overrides)
+    tmp, ref_losses, ref_norms, ref_weights = references(overrides)
     run_ranks(_train_rank, ranks, args=(str(tmp), overrides, name))
     got_losses = losses(tmp / name)
     assert len(got_losses) == STEPS
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(ref_losses), rtol=1e-9, atol=1e-12)
+    # The gradient norm exposes a wrong reduction (a sum not divided, a missing all-reduce) that AdamW's
+    # scale invariance and clipping would hide from the weights.
+    torch.testing.assert_close(torch.tensor(grad_norms(tmp / name)), torch.tensor(ref_norms), rtol=1e-9, atol=1e-12)
     weights = final_weights(tmp / name)
     assert weights.keys() == ref_weights.keys()
     for key, ref in ref_weights.items():
