@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fourfold.train.metrics import read_metrics
 from tests.distributed.launcher import run_ranks
 from tests.trainer_helpers import final_weights, grad_norms, losses, tiny_config
 
