@@ -138,8 +138,10 @@ class Zero1(DDP):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None
+        # Gradients as views into DDP's buckets: no second copy of the gradients.
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=self.mesh.group("fsdp"),
-                                                   bucket_cap_mb=self.cfg.parallel.bucket_mb)
+                                                   bucket_cap_mb=self.cfg.parallel.bucket_mb,
+                                                   gradient_as_bucket_view=True)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer

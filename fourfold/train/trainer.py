@@ -27,6 +27,7 @@ from fourfold.mesh import ParallelMesh, grad_accumulation_steps, validate_layout
 from fourfold.models.llama import Llama, parameter_counts, training_flops_per_token
 from fourfold.parallel.apply import parallelize
 from fourfold.parallel.data import build_data_parallel
+from fourfold.plan.memory import MEASURED_KEYS, estimate_memory
 from fourfold.train.losses import build_loss
 from fourfold.train.metrics import MetricsWriter, TrainProgress, format_bytes
 from fourfold.train.optim import clip_across_stages, lr_at, set_lr
@@ -340,18 +341,22 @@ class Trainer:
         ]
         lines.append(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token")
         self.console.print("\n".join(lines))
-        try:
-            from fourfold.plan.memory import estimate_memory
-
-            self.console.print(estimate_memory(cfg, self.env.world_size).table())
-        except ImportError:
-            pass
+        self.console.print(estimate_memory(cfg, self.env.world_size).table())
 
     def _print_memory(self) -> None:
         report = self.dp.memory_report(self.model, self.optimizer)
-        if self.is_main:
-            parts = ", ".join(f"{k.replace('_bytes', '')} {format_bytes(v)}" for k, v in report.items())
-            self.console.print(f"rank 0 holds {parts}; measured peak {format_bytes(peak_memory_bytes(self.device))}")
+        if not self.is_main:
+            return
+        peak = peak_memory_bytes(self.device)
+        est = estimate_memory(self.cfg, self.env.world_size, self.env.rank)
+        parts = []
+        for key, value in report.items():
+            name = MEASURED_KEYS.get(key)
+            predicted = f" (predicted {format_bytes(getattr(est, name))})" if name else ""
+            parts.append(f"{key.replace('_bytes', '')} {format_bytes(value)}{predicted}")
+        # On CPUs the peak is the process's resident set, not comparable with the prediction.
+        peak_predicted = f" (predicted {format_bytes(est.total)})" if self.device.type == "cuda" else ""
+        self.console.print(f"rank 0 holds {', '.join(parts)}; measured peak {format_bytes(peak)}{peak_predicted}")
 
 
 def train(cfg: Config, out_dir: str | Path | None = None, resume: bool | str = False,
