@@ -31,6 +31,7 @@ def fourfold_step(preset: str, micro_batch: int, seq: int, overrides: dict, glob
     trainer = Trainer(cfg, out)
 
     def step():
+        """Run one trainer step; return its loss."""
         loss, _, _ = trainer.train_step()
         return loss
 
@@ -113,5 +114,6 @@ def print_table(rows: list[dict], baseline: dict[str, str] | None = None, extra:
 
 
 def save(path: str, args, rows: list[dict]) -> None:
+    """Write the run's arguments and result rows to `path` as JSON."""
     with open(path, "w") as f:
         json.dump({"args": vars(args), "results": rows}, f, indent=2)

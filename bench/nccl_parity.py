@@ -31,6 +31,7 @@ BASE = ["--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "4", "-
 
 
 def main() -> None:
+    """Train each layout on 2 GPUs and print its largest loss and weight differences from 1 GPU."""
     from tests.trainer_helpers import final_weights, losses
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

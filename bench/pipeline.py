@@ -24,6 +24,10 @@ from common import fourfold_step, run_variant_process  # noqa: E402
 
 
 def run_group(vpp: int, schedules: list[str], args) -> None:
+    """Time `schedules` on pp=2 with `vpp` chunks per rank, at each micro-batch count (run under torchrun).
+
+    Rank 0 prints each row, writes the m = 8 trace and timeline to --out-dir, and ends with a RESULT line.
+    """
     import torch
     import torch.distributed as dist
 
@@ -89,6 +93,7 @@ def run_group(vpp: int, schedules: list[str], args) -> None:
 
 
 def main() -> None:
+    """Run both schedule groups in torchrun subprocesses (or one with --one); print the table, write pipeline.json."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--micro-batch", type=int, default=2)

@@ -59,6 +59,7 @@ def torch_step(kind: str, preset: str, micro_batch: int, seq: int, compile_block
     vocab = cfg.model.vocab_size
 
     def step():
+        """One step on random tokens: forward, loss, backward, clip, AdamW; return the detached loss."""
         ids = torch.randint(0, vocab, (micro_batch, seq + 1), device="cuda", generator=gen)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             logits = model(ids[:, :-1])
@@ -73,6 +74,7 @@ def torch_step(kind: str, preset: str, micro_batch: int, seq: int, compile_block
 
 
 def run_one(name: str, args) -> None:
+    """Time one variant in this process (every torchrun rank) and report its row."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     compiled = {"train.compile": "true"} if args.compile else {}
     if name.startswith("fourfold"):
@@ -87,6 +89,7 @@ def run_one(name: str, args) -> None:
 
 
 def main() -> None:
+    """Run each variant in its own process (or only --one), add scaling efficiency, print the table, save JSON."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--preset", default="llama-1b")

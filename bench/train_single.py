@@ -52,6 +52,7 @@ def hf_step(preset: str, micro_batch: int, seq: int, compile_model: bool):
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def step():
+        """One Hugging Face training step on random tokens; return the detached loss."""
         ids = torch.randint(0, m.vocab_size, (micro_batch, seq), device="cuda", generator=gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = fwd(input_ids=ids, labels=ids).loss
@@ -80,6 +81,7 @@ def profile_table(step, path: str, rows: int = 25) -> str:
 
 
 def run_one(name: str, args) -> None:
+    """Time one variant in this process and report its row; with --profile-dir also write its kernel table."""
     extra = dict(VARIANTS[name])
     if name.startswith("hf"):
         step, cfg = hf_step(args.preset, args.micro_batch, args.seq, extra.get("compile", False))
@@ -95,6 +97,7 @@ def run_one(name: str, args) -> None:
 
 
 def main() -> None:
+    """Run each variant in its own process (or only --one), print the table against hf-compile, save JSON."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--micro-batch", type=int, default=4)

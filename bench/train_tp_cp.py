@@ -21,6 +21,7 @@ from common import figures, fourfold_step, print_table, report, run_variant_proc
 
 
 def variants(long_seqs: list[int], micro_batch: int, seq: int) -> dict:
+    """Variant name -> (config overrides, micro-batch, sequence length, global batch), for both parts."""
     out = {
         f"fsdp2-s{seq}": ({"parallel.fsdp": 2}, micro_batch, seq, 2 * micro_batch),
         f"tp2-sp-s{seq}": ({"parallel.tp": 2}, micro_batch, seq, micro_batch),
@@ -35,6 +36,7 @@ def variants(long_seqs: list[int], micro_batch: int, seq: int) -> dict:
 
 
 def run_one(name: str, args) -> None:
+    """Time one variant on this rank (under torchrun) and report its row, or an out-of-memory error."""
     import torch
 
     overrides, mb, seq, global_batch = variants(args.long, args.micro_batch, args.seq)[name]
@@ -49,6 +51,7 @@ def run_one(name: str, args) -> None:
 
 
 def main() -> None:
+    """Run each variant on 2 GPUs in its own process (or only --one), print the table against peers, save JSON."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--micro-batch", type=int, default=4)

@@ -54,6 +54,11 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> int:
 
 
 def cmd_train(argv: list[str], console: Console) -> int:
+    """`fourfold train`: train with the config and overrides in `argv`; return the exit code.
+
+    With --nproc N > 1 outside torchrun it relaunches itself under torchrun; a single process then prints a
+    summary and a sample from the final checkpoint.
+    """
     from fourfold.config import load_config
     from fourfold.train.trainer import default_run_dir, quiet_nonzero_ranks, train
 
@@ -91,6 +96,7 @@ def _print_sample(run_dir, prompt: str, console: Console) -> None:
 
 
 def cmd_generate(argv: list[str], console: Console) -> int:
+    """`fourfold generate`: print the prompt and a sampled continuation from a checkpoint; return 0."""
     import torch
 
     from fourfold.distributed import pick_device
@@ -114,6 +120,7 @@ def cmd_generate(argv: list[str], console: Console) -> int:
 
 
 def cmd_config(argv: list[str], console: Console) -> int:
+    """`fourfold config`: print the config reference; return 0."""
     from fourfold.config import describe
 
     print(describe())
@@ -124,6 +131,7 @@ COMMANDS = {"train": cmd_train, "generate": cmd_generate, "config": cmd_config}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the subcommand named in `argv`; return the exit code (2 for user errors, 130 on Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     console = Console()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:

@@ -26,6 +26,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 @dataclass
 class ModelConfig:
+    """The [model] section: the network's shape, optionally from a named preset."""
+
     preset: Optional[str] = None
     """Named shape from fourfold/models/presets.py; explicit keys in this section override it."""
     dim: int = 128
@@ -55,11 +57,14 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """Size of one attention head: dim // n_heads."""
         return self.dim // self.n_heads
 
 
 @dataclass
 class ParallelConfig:
+    """The [parallel] section: the parallel layout and how it shards and communicates."""
+
     dp: int = 1
     """Data-parallel replicas (gradients all-reduced)."""
     fsdp: int = 1
@@ -106,6 +111,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
+    """The [train] section: batch, optimizer, schedule, precision, device and validation of the run."""
+
     steps: int = 200
     """Optimizer steps."""
     global_batch: int = 16
@@ -154,6 +161,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
+    """The [data] section: text source, tokenizer, cache and validation split."""
+
     path: Optional[str] = None
     """Text file, directory or glob; unset trains on the Python standard library's own source."""
     tokenizer: str = "byte"
@@ -168,6 +177,8 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
+    """The [checkpoint] section: when checkpoints are saved and how many are kept."""
+
     every: int = 100
     """Steps between checkpoints; 0 saves only at the end."""
     keep: int = 2
@@ -178,6 +189,8 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
+    """The [log] section: metric records, TensorBoard, progress bar and profiling."""
+
     every: int = 10
     """Steps between metric records."""
     tensorboard: bool = False
@@ -190,6 +203,8 @@ class LogConfig:
 
 @dataclass
 class Config:
+    """A whole run's configuration, one dataclass per section."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -198,6 +213,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
+        """The config as nested plain dicts, one per section."""
         return dataclasses.asdict(self)
 
 

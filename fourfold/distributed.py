@@ -26,6 +26,7 @@ class DistEnv:
 
     @property
     def is_main(self) -> bool:
+        """True on global rank 0."""
         return self.rank == 0
 
 
@@ -59,5 +60,6 @@ def init_distributed(device_name: str = "auto") -> DistEnv:
 
 
 def shutdown() -> None:
+    """Destroy the default process group, if one was initialised."""
     if dist.is_initialized():
         dist.destroy_process_group()

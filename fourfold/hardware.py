@@ -45,5 +45,6 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    """Reset the CUDA allocator's peak-memory counter; does nothing on CPUs (their peak cannot be reset)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -24,6 +24,7 @@ DIM_ORDER = ("pp", "dp", "fsdp", "cp", "tp")
 
 
 def layout_sizes(cfg: Config) -> dict[str, int]:
+    """Size of each parallel dimension (pp, dp, fsdp, cp, tp) the config asks for."""
     p = cfg.parallel
     return {"pp": p.pp, "dp": p.dp, "fsdp": p.fsdp, "cp": p.cp, "tp": p.tp}
 
@@ -123,6 +124,7 @@ class ParallelMesh:
         return cls(sizes=sizes, rank=rank, world_size=world_size, mesh=mesh, coords=coords)
 
     def size(self, name: str) -> int:
+        """Size of dimension `name` (1 when it is not used)."""
         return self.sizes[name]
 
     def local_rank(self, name: str) -> int:
@@ -148,14 +150,17 @@ class ParallelMesh:
 
     @property
     def data_parallel_rank(self) -> int:
+        """This rank's index among the dp * fsdp ranks that see different data (dp-major)."""
         return self.coords["dp"] * self.sizes["fsdp"] + self.coords["fsdp"]
 
     @property
     def is_first_stage(self) -> bool:
+        """True on the first pipeline stage (always when pp == 1)."""
         return self.coords["pp"] == 0
 
     @property
     def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (always when pp == 1)."""
         return self.coords["pp"] == self.sizes["pp"] - 1
 
     def data_mesh(self) -> tuple[DeviceMesh | None, DeviceMesh | None]:
@@ -196,6 +201,7 @@ class ParallelMesh:
         return _coordinates(self.sizes, rank)
 
     def describe(self) -> str:
+        """The layout as text, e.g. 'pp=2 x fsdp=4', or 'single process'."""
         used = [f"{n}={self.sizes[n]}" for n in DIM_ORDER if self.sizes[n] > 1]
         return " x ".join(used) if used else "single process"
 

@@ -32,11 +32,13 @@ class PrecisionPolicy:
 
     @classmethod
     def from_config(cls, cfg: Config, device: torch.device) -> "PrecisionPolicy":
+        """The policy for the config's train.precision and parallel dtypes on `device`."""
         mode = cfg.train.precision
         return cls(device.type, DTYPES[mode] if mode in ("bf16", "fp16") else None,
                    DTYPES[cfg.parallel.param_dtype], DTYPES[cfg.parallel.reduce_dtype])
 
     def autocast(self):
+        """An autocast context in the policy's dtype, or a no-op context when autocast is off."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
@@ -53,6 +55,7 @@ class DynamicLossScaler:
         self.clean_steps, self.skipped_steps = 0, 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the current scale."""
         return loss * self.scale
 
     @torch.no_grad()
@@ -69,6 +72,7 @@ class DynamicLossScaler:
         return bool(found.item())
 
     def update(self, found_inf: bool) -> None:
+        """Adjust the scale after a step: back off if `found_inf`, grow after `growth_interval` clean steps in a row."""
         if found_inf:
             self.scale *= self.backoff_factor
             self.clean_steps = 0
@@ -80,9 +84,11 @@ class DynamicLossScaler:
             self.clean_steps = 0
 
     def state_dict(self) -> dict:
+        """The scale and the step counters, for checkpoints."""
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the scale and counters from `state_dict()`'s output."""
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])

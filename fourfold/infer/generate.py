@@ -83,6 +83,7 @@ def generate(model: Llama, prompt_ids: list[int], options: SamplingOptions, devi
 
 
 def generate_text(checkpoint: str | Path, prompt: str, options: SamplingOptions, device: torch.device) -> str:
+    """Load a checkpoint (or a run directory's newest) and return a sampled continuation of `prompt` as text."""
     from fourfold.train.tokenizer import load_tokenizer
 
     model, cfg = load_for_inference(checkpoint, device)

@@ -39,6 +39,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` normalised over its last dimension and scaled by the weight, in `x`'s dtype."""
         wide = torch.promote_types(x.dtype, torch.float32)  # float32 for bf16/fp16, float64 stays float64
         xw = x.to(wide)
         normed = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -82,6 +83,7 @@ class CausalAttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v for q (b, hq, s, d) and k, v (b, hkv, s, d), hq % hkv == 0."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention output (b, hq, s, d)."""
         # enable_gqa lets the kernel read each kv head for its group of query heads instead of copying
         # K and V per query head (10% faster fwd+bwd on an H100 for the 1.1B shape: bench/sdpa_gqa.py).
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
@@ -100,6 +102,7 @@ class Attention(nn.Module):
         self.core = CausalAttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Self-attention of x (batch, seq, dim), rotated by the tables cos/sin (seq, head_dim); same shape out."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
@@ -119,6 +122,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP applied to x (..., dim); returns (..., dim)."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -133,6 +137,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (batch, seq, dim) through the attention and MLP residual branches; same shape."""
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -168,6 +173,10 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for token ids (batch, seq); `positions` gives each token's absolute position.
+
+        On a pipeline stage without the embedding or the head it takes or returns hidden states (batch, seq, dim).
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1] * self.seq_shards
         if positions is None:

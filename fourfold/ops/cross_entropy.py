@@ -21,6 +21,7 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int):
+        """Mean cross-entropy over all tokens; the logits' gradient is computed chunk by chunk, saved for backward."""
         flat = logits.reshape(-1, logits.shape[-1])
         tgt = targets.reshape(-1)
         n = flat.shape[0]
@@ -41,6 +42,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        """The saved logits gradient scaled by `grad_out`; None for targets and chunk."""
         (grad,) = ctx.saved_tensors
         return (grad * grad_out.to(grad.dtype)).view(ctx.shape), None, None
 

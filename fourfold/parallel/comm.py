@@ -61,45 +61,53 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 class _AllGatherAlong(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
+        """Every rank's `x` concatenated along `dim`."""
         ctx.dim, ctx.group = dim, group
         return _gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient reduce-scattered along `dim`."""
         return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterAlong(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
+        """`x` summed over the group; this rank's slice along `dim`."""
         ctx.dim, ctx.group = dim, group
         return _reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient all-gathered along `dim`."""
         return _gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
+        """`x` summed over the group, in a new tensor."""
         out = x.clone()  # never reduce into the caller's tensor
         dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient unchanged."""
         return grad, None
 
 
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
+        """`x` unchanged (a view)."""
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient summed over the group."""
         summed = grad.contiguous().clone()
         dist.all_reduce(summed, group=ctx.group)
         return summed, None
@@ -132,6 +140,7 @@ class PendingExchange:
         self._works, self._received = works, received
 
     def wait(self) -> list[torch.Tensor]:
+        """Wait until the exchange's sends and receives are done; return the received tensors."""
         for work in self._works:
             work.wait()
         self._works = []

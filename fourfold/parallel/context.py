@@ -103,6 +103,7 @@ class RingAttentionCore(nn.Module):
         self.cp_rank, self.cp = dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention output (b, hq, s_local, d) of the local queries over the whole sequence."""
         return ring_attention(q, k, v, self.group, self.cp_rank, self.cp)
 
 
@@ -115,6 +116,7 @@ class AllGatherAttentionCore(nn.Module):
         self.cp_rank, self.cp = dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention output (b, hq, s_local, d) of the local queries over the whole sequence."""
         k_all = to_global_order(all_gather_along(k, 2, self.group), 2, self.cp)
         v_all = to_global_order(all_gather_along(v, 2, self.group), 2, self.cp)
         chunk = q.shape[2] // 2

@@ -85,15 +85,19 @@ class DataParallel:
         self.mesh, self.cfg, self.device = mesh, cfg, device
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """The model prepared for this strategy (here unchanged)."""
         return model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """AdamW over the model's parameters, norms without weight decay."""
         return build_adamw(model, self.cfg.train, self.device)
 
     def grad_sync(self, model: nn.Module, enabled: bool):
+        """Context for one backward; `enabled=False` defers gradient synchronisation (here there is none)."""
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip gradients to `max_norm` (0: no clipping); return the total gradient norm before clipping."""
         params = [p for p in model.parameters() if p.grad is not None]
         norm = total_grad_norm(params)
         if max_norm > 0 and params:
@@ -101,6 +105,7 @@ class DataParallel:
         return norm
 
     def memory_report(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds: param_bytes, grad_bytes (one gradient per trainable parameter), optim_bytes."""
         states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
         return {
             "param_bytes": tensor_bytes(model.parameters()),
@@ -116,6 +121,7 @@ class DDP(DataParallel):
     name = "ddp"
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """The model in DistributedDataParallel over the dp group, with the hierarchical all-reduce hook if asked."""
         p = self.cfg.parallel
         ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=self.mesh.group("dp"),
@@ -128,6 +134,7 @@ class DDP(DataParallel):
         return ddp
 
     def grad_sync(self, model: nn.Module, enabled: bool):
+        """A no-op context when `enabled`, else DDP's `no_sync()` (gradients accumulate without all-reduce)."""
         return contextlib.nullcontext() if enabled else model.no_sync()
 
 
@@ -137,6 +144,7 @@ class Zero1(DDP):
     name = "zero1"
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """The model in DistributedDataParallel over the fsdp group."""
         ids = [self.device.index] if self.device.type == "cuda" else None
         # Gradients as views into DDP's buckets: no second copy of the gradients.
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=self.mesh.group("fsdp"),
@@ -144,6 +152,7 @@ class Zero1(DDP):
                                                    gradient_as_bucket_view=True)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """A ZeroRedundancyOptimizer (AdamW, norms without weight decay) sharding its state over the fsdp group."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         groups = decay_groups(model, self.cfg.train.weight_decay)
@@ -156,6 +165,7 @@ class Zero1(DDP):
         return opt
 
     def memory_report(self, model, optimizer) -> dict[str, int]:
+        """The base report, with only this rank's shard of the optimizer state."""
         report = super().memory_report(model, optimizer.optim)
         return report
 
@@ -166,6 +176,7 @@ class FSDP(DataParallel):
     name = "fsdp"
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """The model sharded with FSDP2 over the data mesh (a 2-D HSDP mesh when dp > 1 and fsdp or cp > 1)."""
         from fourfold.parallel.fsdp import apply_fsdp
 
         p = self.cfg.parallel
@@ -173,6 +184,7 @@ class FSDP(DataParallel):
         return apply_fsdp(model, self.mesh.hsdp_mesh(), p, reshard_after_forward=reshard)
 
     def grad_sync(self, model: nn.Module, enabled: bool):
+        """Switch FSDP's gradient reduction on or off for the coming backward; returns a no-op context."""
         for m in model.modules() if isinstance(model, nn.ModuleList) else [model]:
             if hasattr(m, "set_requires_gradient_sync"):
                 m.set_requires_gradient_sync(enabled)

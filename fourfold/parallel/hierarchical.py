@@ -27,10 +27,12 @@ class HierarchicalState:
 
     @property
     def intra(self):
+        """Process group of the ranks on this node."""
         return self.mesh.get_group("local")
 
     @property
     def inter(self):
+        """Process group of the ranks with this rank's local index, one per node."""
         return self.mesh.get_group("node")
 
 

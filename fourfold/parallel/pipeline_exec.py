@@ -89,6 +89,7 @@ class _SplitBackward:
 
     def _capture(self, node):
         def hook(grad_outputs):
+            """Record the gradients arriving at `node`, for the later weight backward."""
             self.captured[node] = grad_outputs
         return hook
 
@@ -393,6 +394,7 @@ class _Clock:
         self.origin = self.mark(force=True)
 
     def mark(self, force: bool = False):
+        """The current time (a recorded CUDA event, or perf_counter seconds); None when timing is off and not forced."""
         if not (self.enabled or force):
             return None
         if self.cuda:
@@ -402,6 +404,7 @@ class _Clock:
         return time.perf_counter()
 
     def seconds(self, mark) -> float:
+        """Seconds from the clock's origin to `mark`."""
         if self.cuda:
             return self.origin.elapsed_time(mark) / 1000.0
         return mark - self.origin

@@ -99,6 +99,7 @@ def _merge(out, lse, rows: slice, block_out, block_lse) -> None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, cp_rank: int, cp: int):
+        """Attention output (b, hq, s, d) of the local queries over every rank's K/V blocks, merged by log-sum-exp."""
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         wide = wide_dtype(q.dtype)
@@ -122,6 +123,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        """Gradients of the local q, k, v; dK/dV travel around the ring with their blocks and return to the owner."""
         q, k, v, out, lse = ctx.saved_tensors
         group, cp_rank, cp, scale = ctx.group, ctx.cp_rank, ctx.cp, ctx.scale
         wide = out.dtype

@@ -42,6 +42,7 @@ class Action:
 
     @property
     def is_comm(self) -> bool:
+        """True for a send or a receive."""
         return self.kind in COMM_KINDS
 
     def __str__(self) -> str:
@@ -346,6 +347,7 @@ class _Transport:
         return self._known[key]
 
     def finish(self, r: int, b: int) -> float | None:
+        """Finish time of batch `b` of rank `r`; None while it depends on a batch not yet posted (or deadlocks)."""
         return self._resolve("finish", r, b)
 
 

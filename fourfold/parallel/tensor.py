@@ -61,6 +61,7 @@ def _check_sequence_divides(tp: int):
     """A forward pre-hook: sequence parallel needs the token sequence to split evenly over tp ranks."""
 
     def hook(module, args, kwargs):
+        """Raise LayoutError unless the tokens' sequence length is a multiple of tp."""
         tokens = args[0] if args else kwargs["tokens"]
         if tokens.shape[1] % tp:
             raise LayoutError(f"Sequence parallel splits each sequence over tp={tp} ranks, but this batch has "

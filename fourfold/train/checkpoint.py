@@ -67,6 +67,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of `run_dir`, or None."""
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
 
@@ -148,6 +149,7 @@ def _read_groups(path: Path) -> list:
 
 
 def read_meta(path: Path) -> dict:
+    """A checkpoint directory's meta.json as a dict; CheckpointError if it is missing, invalid or lacks shards."""
     try:
         meta = json.loads((Path(path) / "meta.json").read_text())
         meta["shards"]

@@ -97,6 +97,7 @@ def flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
 
 
 def unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
+    """The inverse of `flatten_optimizer`: an optimizer state dict keyed by parameter name."""
     state: dict[str, dict] = {}
     for flat, value in tensors.items():
         name, key = flat[len("state."):].rsplit(".", 1)

@@ -208,9 +208,11 @@ class GlobalBatchSampler:
         return out
 
     def state_dict(self) -> dict:
+        """The epoch and the position within it, for resuming."""
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at a saved epoch and position."""
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._perm = self._permutation(self.epoch)
 
@@ -245,9 +247,11 @@ class TrainBatches:
         return _micro_batches(self.dataset, mine, self.micro_batch)
 
     def state_dict(self) -> dict:
+        """The sampler's state (where the next global batch starts)."""
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the sampler's state."""
         self.sampler.load_state_dict(state)
 
 

@@ -33,6 +33,7 @@ class MetricsWriter:
                 self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, record: dict) -> None:
+        """Append one record (non-finite floats become null), and its numbers to TensorBoard when enabled."""
         clean = {k: _json_number(v) for k, v in record.items()}
         self.file.write(json.dumps(clean) + "\n")
         if self.tb is not None:
@@ -41,6 +42,7 @@ class MetricsWriter:
                     self.tb.add_scalar(key, value, clean["step"])
 
     def close(self) -> None:
+        """Close metrics.jsonl and the TensorBoard writer."""
         self.file.close()
         if self.tb is not None:
             self.tb.close()
@@ -59,6 +61,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def format_bytes(n: float | None) -> str:
+    """A byte count for people, e.g. '512 B' or '1.5 GiB'; '-' for None."""
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -85,6 +88,7 @@ class TrainProgress:
         self.progress.start()
 
     def update(self, step: int, record: dict | None = None) -> None:
+        """Move the bar to `step`; with a record, show its loss, tokens/s, MFU and peak memory."""
         if not self.enabled:
             return
         info = None
@@ -98,9 +102,11 @@ class TrainProgress:
         self.progress.update(self.task, completed=step, **kwargs)
 
     def log(self, text: str) -> None:
+        """Print a line through the progress bar's console (nothing when disabled)."""
         if self.enabled:
             self.progress.console.print(text)
 
     def close(self) -> None:
+        """Stop the progress bar."""
         if self.enabled:
             self.progress.stop()

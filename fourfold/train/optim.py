@@ -31,6 +31,7 @@ def adamw_kwargs(cfg: TrainConfig, device: torch.device) -> dict:
 
 
 def build_adamw(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over `model` with decay groups and the config's hyperparameters (fused on CUDA)."""
     return torch.optim.AdamW(decay_groups(model, cfg.weight_decay), **adamw_kwargs(cfg, device))
 
 
@@ -45,6 +46,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 

@@ -48,6 +48,7 @@ class TrainSummary:
 
 
 def default_run_dir() -> Path:
+    """runs/<timestamp>: where a run goes when --out is not given."""
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
@@ -315,6 +316,7 @@ class Trainer:
         return val
 
     def save(self) -> Path:
+        """Write a checkpoint of the current step (every rank takes part); returns its directory."""
         from fourfold.train.checkpoint import save_checkpoint
 
         meta = {"step": self.step, "config": self.cfg.to_dict(), "data": self.train_batches.state_dict(),
