@@ -14,8 +14,8 @@ from rich.console import Console
 
 from fourfold.config import build_config
 from fourfold.errors import LayoutError
-from fourfold.plan.memory import (COMPONENTS, LABELS, MemoryEstimate, estimate_memory, fsdp_rows,
-                                  measure_saved_activations)
+from fourfold.plan.layout import fsdp_rows
+from fourfold.plan.memory import COMPONENTS, LABELS, MemoryEstimate, estimate_memory, measure_saved_activations
 from fourfold.recompute import saved_activation_bytes
 from fourfold.train.trainer import Trainer
 from tests.trainer_helpers import tiny_config

@@ -7,7 +7,6 @@ final checkpoint, gathered to full tensors by name) must equal the single-proces
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
