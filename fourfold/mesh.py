@@ -35,6 +35,18 @@ def grad_accumulation_steps(cfg: Config) -> int:
     return t.global_batch // (t.micro_batch * p.dp * p.fsdp)
 
 
+def data_parallel_strategy(cfg: Config) -> str:
+    """'none', 'ddp', 'zero1' or 'fsdp': the strategy `fourfold.parallel.data.build_data_parallel` builds."""
+    p = cfg.parallel
+    if p.dp * p.fsdp * p.cp == 1:
+        return "none"
+    if p.fsdp > 1 and p.zero == 1 and p.dp == 1 and p.tp == 1 and p.cp == 1:
+        return "zero1"
+    if p.tp > 1 or p.cp > 1 or p.fsdp > 1:
+        return "fsdp"
+    return "ddp"
+
+
 def validate_layout(cfg: Config, world_size: int) -> None:
     """Raise LayoutError, saying what to change, if the layout cannot run on `world_size` ranks."""
     sizes = layout_sizes(cfg)
@@ -64,6 +76,12 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise LayoutError(f"Context parallel splits each sequence into 2*cp={2 * p.cp} chunks (load balance); "
                           f"train.seq_len ({t.seq_len}) must be a multiple of {2 * p.cp}.")
+    strategy = data_parallel_strategy(cfg)
+    if (p.param_dtype != "fp32" or p.reduce_dtype != "fp32") and strategy != "fsdp":
+        what = {"none": "a single data rank", "ddp": "DDP", "zero1": "ZeRO-1"}[strategy]
+        raise LayoutError(f"parallel.param_dtype / reduce_dtype ({p.param_dtype} / {p.reduce_dtype}) are FSDP's "
+                          f"mixed-precision settings, but this layout uses {what}. Shard with --parallel.fsdp N "
+                          "(zero 2 or 3), or keep them fp32 and use --train.precision bf16 (autocast).")
     stages = p.pp * p.vpp
     if p.vpp > 1 and p.pp == 1:
         raise LayoutError(f"parallel.vpp={p.vpp} splits each pipeline rank into virtual stages but parallel.pp is 1; "

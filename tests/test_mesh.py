@@ -28,6 +28,8 @@ INVALID = {
     "tp-vs-vocab": (2, {"parallel.tp": 2, "model.vocab_size": 321}, ["parallel.tp", "model.vocab_size"]),
     "sp-vs-seq": (2, {"parallel.tp": 2, "train.seq_len": 15}, ["train.seq_len", "parallel.sequence_parallel"]),
     "cp-vs-seq": (3, {"parallel.cp": 3}, ["train.seq_len"]),
+    "param-dtype-under-ddp": (2, {"parallel.dp": 2, "parallel.param_dtype": "bf16"}, ["parallel.param_dtype", "DDP"]),
+    "reduce-dtype-one-rank": (1, {"parallel.reduce_dtype": "bf16"}, ["reduce_dtype", "--train.precision bf16"]),
     "cp-half-chunks": (4, {"parallel.cp": 4, "train.seq_len": 20}, ["train.seq_len"]),
     "pp-more-than-layers": (8, {"parallel.pp": 8}, ["model.n_layers", "parallel.pp"]),
     "pp-vpp-more-than-layers": (4, {"parallel.pp": 4, "parallel.vpp": 2, "parallel.pp_schedule": "interleaved-1f1b"},

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fourfold.config import Config
-from fourfold.mesh import ParallelMesh
+from fourfold.mesh import ParallelMesh, data_parallel_strategy
 from fourfold.train.optim import adamw_kwargs, build_adamw, decay_groups
 
 
@@ -198,14 +198,6 @@ def _local_world_size() -> int:
 
 
 def build_data_parallel(mesh: ParallelMesh, cfg: Config, device: torch.device) -> DataParallel:
-    """The strategy the layout asks for (see the table in the module docstring)."""
-    p = cfg.parallel
-    data_ranks = p.dp * p.fsdp * p.cp
-    if data_ranks == 1:
-        return DataParallel(mesh, cfg, device)
-    needs_fsdp = p.tp > 1 or p.cp > 1 or p.fsdp > 1
-    if p.fsdp > 1 and p.zero == 1 and p.dp == 1 and p.tp == 1 and p.cp == 1:
-        return Zero1(mesh, cfg, device)
-    if needs_fsdp:
-        return FSDP(mesh, cfg, device)
-    return DDP(mesh, cfg, device)
+    """The strategy the layout asks for (`fourfold.mesh.data_parallel_strategy`; table in the module docstring)."""
+    classes = {"none": DataParallel, "ddp": DDP, "zero1": Zero1, "fsdp": FSDP}
+    return classes[data_parallel_strategy(cfg)](mesh, cfg, device)

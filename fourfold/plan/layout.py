@@ -12,18 +12,6 @@ from fourfold.parallel.pipeline_split import stage_layer_counts
 
 
 
-def data_parallel_strategy(cfg: Config) -> str:
-    """'none', 'ddp', 'zero1' or 'fsdp': the strategy `fourfold.parallel.data.build_data_parallel` builds."""
-    p = cfg.parallel
-    if p.dp * p.fsdp * p.cp == 1:
-        return "none"
-    if p.fsdp > 1 and p.zero == 1 and p.dp == 1 and p.tp == 1 and p.cp == 1:
-        return "zero1"
-    if p.tp > 1 or p.cp > 1 or p.fsdp > 1:
-        return "fsdp"
-    return "ddp"
-
-
 def rank_coordinates(cfg: Config, rank: int) -> dict[str, int]:
     """Coordinates of global `rank` in the (pp, dp, fsdp, cp, tp) grid, tp fastest (as fourfold.mesh)."""
     sizes = layout_sizes(cfg)

@@ -46,13 +46,12 @@ import torch
 
 from fourfold.config import Config
 from fourfold.errors import ConfigError
-from fourfold.mesh import validate_layout
+from fourfold.mesh import data_parallel_strategy, validate_layout
 from fourfold.plan.activations import (DTYPES, autocast_dtype, chunk_activations, device_type, dtype_size,
                                        loss_bytes, pipeline_peak, tensor_shapes)
-from fourfold.plan.layout import (chunk_parameters, data_parallel_strategy, fsdp_rows, fsdp_shard_group,
-                                  rank_chunks, rank_coordinates, rank_of, zero1_partition)
+from fourfold.plan.layout import (chunk_parameters, fsdp_rows, fsdp_shard_group, rank_chunks, rank_coordinates,
+                                  rank_of, zero1_partition)
 from fourfold.train.metrics import format_bytes
-
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "workspace")
 """Field names of the components that add up to the total, in table order."""
