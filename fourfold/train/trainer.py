@@ -343,21 +343,34 @@ class Trainer:
         ]
         lines.append(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token")
         self.console.print("\n".join(lines))
-        self.console.print(estimate_memory(cfg, self.env.world_size).table())
+        estimate = self._memory_estimate()
+        if estimate is not None:
+            self.console.print(estimate.table())
+
+    def _memory_estimate(self, rank: int | None = None):
+        """The memory prediction for this layout, or None (with a warning) if the model cannot handle it.
+
+        The prediction is advice: a shape or option it does not model must never stop a training run.
+        """
+        try:
+            return estimate_memory(self.cfg, self.env.world_size, rank)
+        except Exception as e:  # noqa: BLE001 - report and train on
+            self._log(f"[yellow]memory prediction unavailable for this layout: {e}[/]")
+            return None
 
     def _print_memory(self) -> None:
         report = self.dp.memory_report(self.model, self.optimizer)
         if not self.is_main:
             return
         peak = peak_memory_bytes(self.device)
-        est = estimate_memory(self.cfg, self.env.world_size, self.env.rank)
+        est = self._memory_estimate(self.env.rank)
         parts = []
         for key, value in report.items():
-            name = MEASURED_KEYS.get(key)
+            name = MEASURED_KEYS.get(key) if est is not None else None
             predicted = f" (predicted {format_bytes(getattr(est, name))})" if name else ""
             parts.append(f"{key.replace('_bytes', '')} {format_bytes(value)}{predicted}")
         # On CPUs the peak is the process's resident set, not comparable with the prediction.
-        peak_predicted = f" (predicted {format_bytes(est.total)})" if self.device.type == "cuda" else ""
+        peak_predicted = f" (predicted {format_bytes(est.total)})" if est and self.device.type == "cuda" else ""
         self.console.print(f"rank 0 holds {', '.join(parts)}; measured peak {format_bytes(peak)}{peak_predicted}")
 
 
