@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fourfold.config import Config
+from fourfold.config import Config, ModelConfig
 from fourfold.errors import LayoutError
 
 DIM_ORDER = ("pp", "dp", "fsdp", "cp", "tp")
@@ -47,6 +47,15 @@ def data_parallel_strategy(cfg: Config) -> str:
     return "ddp"
 
 
+def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
+    """Raise LayoutError unless tp divides every dimension tensor parallel splits."""
+    for name, value in (("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads),
+                        ("model.ffn_dim", model.ffn_dim), ("model.vocab_size", model.vocab_size)):
+        if value % tp:
+            raise LayoutError(f"parallel.tp={tp} must divide {name} ({value}): tensor parallel splits it "
+                              f"across ranks (kv heads are split, not replicated). Pick a tp that divides {value}.")
+
+
 def validate_layout(cfg: Config, world_size: int) -> None:
     """Raise LayoutError, saying what to change, if the layout cannot run on `world_size` ranks."""
     sizes = layout_sizes(cfg)
@@ -63,13 +72,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         )
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if p.tp > 1:
-        for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                            ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)):
-            if value % p.tp:
-                raise LayoutError(
-                    f"parallel.tp={p.tp} must divide {name} ({value}): tensor parallel splits it across "
-                    f"ranks. Pick a tp that divides {value}."
-                )
+        check_tensor_parallel(m, p.tp)
         if p.sequence_parallel and t.seq_len % p.tp:
             raise LayoutError(f"Sequence parallel splits train.seq_len ({t.seq_len}) across tp={p.tp} ranks; "
                               "make seq_len a multiple of tp or set --parallel.sequence_parallel false.")
@@ -132,7 +135,7 @@ class ParallelMesh:
         validate_layout(cfg, world_size)
         sizes = layout_sizes(cfg)
         names = tuple(d for d in DIM_ORDER if sizes[d] > 1)
-        coords = _coordinates(sizes, rank)
+        coords = grid_coordinates(sizes, rank)
         if world_size == 1 or not names:
             return cls(sizes=sizes, rank=rank, world_size=world_size, mesh=None, coords=coords)
         if not dist.is_initialized():
@@ -216,7 +219,7 @@ class ParallelMesh:
 
     def coords_of(self, rank: int) -> dict[str, int]:
         """Coordinates of any global rank in the (pp, dp, fsdp, cp, tp) grid."""
-        return _coordinates(self.sizes, rank)
+        return grid_coordinates(self.sizes, rank)
 
     def describe(self) -> str:
         """The layout as text, e.g. 'pp=2 x fsdp=4', or 'single process'."""
@@ -224,7 +227,7 @@ class ParallelMesh:
         return " x ".join(used) if used else "single process"
 
 
-def _coordinates(sizes: dict[str, int], rank: int) -> dict[str, int]:
+def grid_coordinates(sizes: dict[str, int], rank: int) -> dict[str, int]:
     """Row-major coordinates of `rank` in the (pp, dp, fsdp, cp, tp) grid, tp fastest."""
     coords = {}
     for name in reversed(DIM_ORDER):

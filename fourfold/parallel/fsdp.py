@@ -10,14 +10,12 @@ caps our explicit prefetch list at that many blocks ahead.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from fourfold.config import ParallelConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from fourfold.precision import DTYPES
 
 
 def mixed_precision(p: ParallelConfig) -> MixedPrecisionPolicy:

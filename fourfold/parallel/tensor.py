@@ -42,19 +42,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from fourfold.config import ModelConfig
 from fourfold.errors import LayoutError
+from fourfold.mesh import check_tensor_parallel
 from fourfold.models.llama import Llama
 from fourfold.parallel.tensor_plan import block_plan, outer_plan
-
-
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """Raise LayoutError unless tp divides every dimension tensor parallel splits."""
-    for name, value in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
-                        ("model.ffn_dim", cfg.ffn_dim), ("model.vocab_size", cfg.vocab_size)):
-        if value % tp:
-            raise LayoutError(f"parallel.tp={tp} must divide {name} ({value}): tensor parallel splits it "
-                              f"across ranks (kv heads are split, not replicated). Pick a tp that divides {value}.")
 
 
 def _check_sequence_divides(tp: int):

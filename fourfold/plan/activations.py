@@ -56,9 +56,8 @@ import torch
 from fourfold.config import Config
 from fourfold.mesh import grad_accumulation_steps
 from fourfold.plan.layout import ParamShape
+from fourfold.precision import DTYPES, PrecisionPolicy
 from fourfold.recompute import recomputed_blocks
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -72,8 +71,8 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def autocast_dtype(cfg: Config) -> torch.dtype | None:
-    """The autocast dtype of train.precision (as fourfold.precision.PrecisionPolicy), or None."""
-    return DTYPES[cfg.train.precision] if cfg.train.precision in ("bf16", "fp16") else None
+    """The autocast dtype of train.precision (fourfold.precision.PrecisionPolicy's), or None."""
+    return PrecisionPolicy.from_config(cfg, torch.device(device_type(cfg))).autocast_dtype
 
 
 def device_type(cfg: Config) -> str:

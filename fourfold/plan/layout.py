@@ -7,19 +7,13 @@ import math
 from dataclasses import dataclass
 
 from fourfold.config import Config
-from fourfold.mesh import DIM_ORDER, layout_sizes
+from fourfold.mesh import DIM_ORDER, grid_coordinates, layout_sizes
 from fourfold.parallel.pipeline_split import stage_layer_counts
-
 
 
 def rank_coordinates(cfg: Config, rank: int) -> dict[str, int]:
     """Coordinates of global `rank` in the (pp, dp, fsdp, cp, tp) grid, tp fastest (as fourfold.mesh)."""
-    sizes = layout_sizes(cfg)
-    coords = {}
-    for name in reversed(DIM_ORDER):
-        coords[name] = rank % sizes[name]
-        rank //= sizes[name]
-    return coords
+    return grid_coordinates(layout_sizes(cfg), rank)
 
 
 def rank_of(cfg: Config, coords: dict[str, int]) -> int:

@@ -296,7 +296,7 @@ def test_sequence_parallel_rejects_indivisible_sequence(rank_results):
 
 @pytest.mark.parametrize("key, value", [("n_kv_heads", 1), ("ffn_dim", 65), ("vocab_size", 63)])
 def test_tp_must_divide_split_dimensions(key, value):
-    from fourfold.parallel.tensor import check_tensor_parallel
+    from fourfold.mesh import check_tensor_parallel
 
     cfg = ModelConfig(**{**BASE_MODEL, key: value})
     with pytest.raises(LayoutError, match=f"model.{key}"):
