@@ -20,6 +20,11 @@ Contract for the trainer:
 - every tp rank gets the same micro-batch (tokens replicated across the tp group);
 - forward loss and backward run inside `loss_context(True)`; the loss is a replicated DTensor
   (`loss.full_tensor()` or `.to_local()` gives the plain value for logging, the same on every tp rank);
+- after the last backward of a step and before clipping, `settle_partial_grads(model.parameters())`:
+  under sequence parallel the norm weights' gradients come out of backward as pending sums over the tp
+  ranks (DTensor `Partial`), and how the optimizer's ops treat those differs between torch releases
+  (torch 2.11's AdamW stepped on each rank's unreduced share: the NCCL tp2 parity gap); settling them
+  into the parameter's own placement once makes every release agree, with one small all-reduce per norm;
 - parameters are DTensors on the tp mesh; without sequence parallel the norm weights stay plain
   tensors (every tp rank computes identical norm gradients), so code that mixes parameter kinds in one
   foreach kernel (torch's `clip_grad_norm_`, a single-group foreach AdamW) must group by mesh, as
@@ -40,6 +45,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from fourfold.errors import LayoutError
@@ -87,6 +93,18 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: 
         if has_embedding:
             model.register_forward_pre_hook(_check_sequence_divides(tp), with_kwargs=True)
     return model
+
+
+def settle_partial_grads(params) -> None:
+    """Give every DTensor gradient its parameter's placements, reducing pending sums (Partial) over their mesh.
+
+    Call it after the step's last backward and before clipping and the optimizer; gradients already in
+    their parameter's placements (every tp-sharded weight, all FSDP gradients) are left untouched.
+    """
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
+            p.grad = grad.redistribute(grad.device_mesh, p.placements)
 
 
 def loss_context(tp_enabled: bool):

@@ -27,6 +27,7 @@ from fourfold.mesh import ParallelMesh, grad_accumulation_steps, validate_layout
 from fourfold.models.llama import Llama, parameter_counts, training_flops_per_token
 from fourfold.parallel.apply import parallelize
 from fourfold.parallel.data import build_data_parallel
+from fourfold.parallel.tensor import settle_partial_grads
 from fourfold.plan.memory import MEASURED_KEYS, estimate_memory
 from fourfold.train.losses import build_loss
 from fourfold.train.metrics import MetricsWriter, TrainProgress, format_bytes
@@ -190,6 +191,8 @@ class Trainer:
             loss = as_plain_tensor(loss) if loss is not None else torch.zeros((), device=self.device)
         else:
             loss = forward_backward(self.model, micro, self.ctx, self._grad_sync)
+        if self.mesh.size("tp") > 1:
+            settle_partial_grads(self.model.parameters())
         skipped = False
         if self.scaler is not None:
             skipped = self.scaler.unscale_and_check(list(self.model.parameters()))

@@ -92,7 +92,7 @@ def _train(model, batches, tp: bool, clip: str, mean_over_data) -> dict:
     """STEPS AdamW steps with clipping; records step 0 in detail, then losses and final parameters."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from fourfold.parallel.tensor import compute_loss, loss_context
+    from fourfold.parallel.tensor import compute_loss, loss_context, settle_partial_grads
     from fourfold.train.optim import build_adamw
 
     optimizer = build_adamw(model, TRAIN, torch.device("cpu"))
@@ -108,6 +108,12 @@ def _train(model, batches, tp: bool, clip: str, mean_over_data) -> dict:
             record["logits"] = _full(logits)
             record["loss_collectives"] = sorted(str(op) for op in comm.get_comm_counts())
             record["grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
+        settle_partial_grads(model.parameters())
+        if step == 0:
+            # What the optimizer reads: each rank's local gradient of every fully replicated parameter.
+            record["replicated_local_grads"] = {
+                n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()
+                if hasattr(p, "placements") and all(pl.is_replicate() for pl in p.placements)}
         norm = _clip(model, clip)
         if step == 0:
             record["grad_norm"] = float(_full(norm))
@@ -262,6 +268,11 @@ def test_layout_matches_single_process(name, rank_results, references):
         assert got["grads"].keys() == ref["grads"].keys()
         for pname, grad in got["grads"].items():
             _close(grad, ref["grads"][pname], f"rank {rank} grad of {pname}")
+        if layout.sequence_parallel and layout.fsdp == 1:
+            assert got["replicated_local_grads"], "sequence parallel should leave replicated norm weights"
+        for pname, grad in got["replicated_local_grads"].items():
+            # Sequence parallel leaves the norms' gradients as pending sums; settled, every rank holds the sum.
+            _close(grad, ref["grads"][pname], f"rank {rank} local grad of replicated {pname}")
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL)
         for pname, value in got["params"].items():
             _close(value, ref["params"][pname], f"rank {rank} {pname} after {STEPS} steps")
