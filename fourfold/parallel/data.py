@@ -6,7 +6,7 @@ The trainer talks to one `DataParallel` object and never to DDP/FSDP directly:
     model = dp.wrap(model)                    # last step of fourfold.parallel.apply.parallelize
     optimizer = dp.build_optimizer(model)
     with dp.grad_sync(model, enabled=is_last_micro_step): loss.backward()
-    norm = dp.clip_grad_norm(model, max_norm)
+    norm = dp.clip_grad_norm(model, max_norm, optimizer)   # fused AdamW: the clip rides on its kernel
     dp.memory_report(model, optimizer)        # bytes this rank holds
 
 Strategies (chosen from the layout):
@@ -33,7 +33,7 @@ from torch import nn
 
 from fourfold.config import Config
 from fourfold.mesh import ParallelMesh, data_parallel_strategy
-from fourfold.train.optim import adamw_kwargs, build_adamw, decay_groups
+from fourfold.train.optim import adamw_kwargs, build_adamw, decay_groups, fold_clip, folds_clipping
 
 
 def tensor_bytes(tensors) -> int:
@@ -96,11 +96,18 @@ class DataParallel:
         """Context for one backward; `enabled=False` defers gradient synchronisation (here there is none)."""
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip gradients to `max_norm` (0: no clipping); return the total gradient norm before clipping."""
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, optimizer=None) -> torch.Tensor:
+        """Clip gradients to `max_norm` (0: no clipping); return the total gradient norm before clipping.
+
+        Given the `optimizer` about to step and it is torch's fused AdamW over plain tensors, the scaling
+        is left to its kernel (`fourfold.train.optim.fold_clip`); the gradients are then scaled during
+        `optimizer.step()` instead of here.
+        """
         params = [p for p in model.parameters() if p.grad is not None]
         norm = total_grad_norm(params)
-        if max_norm > 0 and params:
+        if optimizer is not None and folds_clipping(optimizer):
+            fold_clip(optimizer, norm, max_norm if params else 0.0)
+        elif max_norm > 0 and params:
             clip_with_norm(params, max_norm, norm)
         return norm
 

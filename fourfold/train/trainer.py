@@ -199,7 +199,7 @@ class Trainer:
         if self.mesh.size("pp") > 1:
             grad_norm = clip_across_stages(self.model.parameters(), cfg.train.grad_clip, self.mesh.group("pp"))
         else:
-            grad_norm = self.dp.clip_grad_norm(self.model, cfg.train.grad_clip)
+            grad_norm = self.dp.clip_grad_norm(self.model, cfg.train.grad_clip, self.optimizer)
         if not skipped:
             self.optimizer.step()
         if self.scaler is not None:
