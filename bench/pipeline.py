@@ -102,6 +102,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out-dir", default=".")
+    p.add_argument("--groups", default="vpp1,vpp2", help="vpp1: GPipe, 1F1B, zero-bubble; vpp2: interleaved 1F1B")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     groups = {"vpp1": (1, ["gpipe", "1f1b", "zero-bubble"]), "vpp2": (2, ["interleaved-1f1b"])}
@@ -112,7 +113,7 @@ def main() -> None:
               "--micro-batches", args.micro_batches, "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--out-dir", args.out_dir]
     rows = []
-    for name in groups:
+    for name in args.groups.split(","):
         result = run_variant_process(__file__, name, 2, common, timeout=1200)
         if "error" in result:
             print(f"{name} FAILED: {result['error'][-1500:]}")

@@ -20,7 +20,16 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [BENCH, os.path.dirname(BENCH)]  # bench/ for common.py, the repo root for fourfold
 from common import figures, fourfold_step, print_table, report, run_variant_process, save, time_steps  # noqa: E402
 
-PEERS = {"fourfold-1gpu": "torch-1gpu", "fourfold-ddp": "torch-ddp", "fourfold-fsdp": "torch-fsdp2"}
+PEERS = {"fourfold-1gpu": "torch-1gpu", "fourfold-ddp": "torch-ddp", "fourfold-fsdp": "torch-fsdp2",
+         "fourfold-ddp-bucket100": "torch-ddp", "fourfold-ddp-bf16-reduce": "torch-ddp"}
+
+
+def fourfold_layout(name: str, world: int) -> dict:
+    """Config overrides of a fourfold variant on `world` GPUs."""
+    return {"fourfold-1gpu": {}, "fourfold-ddp": {"parallel.dp": world},
+            "fourfold-ddp-bucket100": {"parallel.dp": world, "parallel.bucket_mb": 100},
+            "fourfold-ddp-bf16-reduce": {"parallel.dp": world, "parallel.reduce_dtype": "bf16"},
+            "fourfold-fsdp": {"parallel.fsdp": world, "parallel.param_dtype": "bf16"}}[name]
 
 
 def torch_step(kind: str, preset: str, micro_batch: int, seq: int, compile_blocks: bool):
@@ -78,9 +87,7 @@ def run_one(name: str, args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     compiled = {"train.compile": "true"} if args.compile else {}
     if name.startswith("fourfold"):
-        layout = {"fourfold-1gpu": {}, "fourfold-ddp": {"parallel.dp": world},
-                  "fourfold-fsdp": {"parallel.fsdp": world, "parallel.param_dtype": "bf16"}}[name]
-        step, cfg, _ = fourfold_step(args.preset, args.micro_batch, args.seq, {**layout, **compiled})
+        step, cfg, _ = fourfold_step(args.preset, args.micro_batch, args.seq, {**fourfold_layout(name, world), **compiled})
     else:
         kind = {"torch-1gpu": "single", "torch-ddp": "ddp", "torch-fsdp2": "fsdp2"}[name]
         step, cfg = torch_step(kind, args.preset, args.micro_batch, args.seq, args.compile)
@@ -98,6 +105,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="compile blocks in both fourfold and the peers")
+    p.add_argument("--variants", default="torch-1gpu,fourfold-1gpu,torch-ddp,fourfold-ddp,torch-fsdp2,fourfold-fsdp",
+                   help="also: fourfold-ddp-bucket100, fourfold-ddp-bf16-reduce (bf16 gradient all-reduce)")
     p.add_argument("--out", default="train_dp.json")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -106,7 +115,10 @@ def main() -> None:
     common = ["--preset", args.preset, "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--compile"] if args.compile else [])
     plan = [("torch-1gpu", 1), ("fourfold-1gpu", 1), ("torch-ddp", args.gpus), ("fourfold-ddp", args.gpus),
-            ("torch-fsdp2", args.gpus), ("fourfold-fsdp", args.gpus)]
+            ("torch-fsdp2", args.gpus), ("fourfold-fsdp", args.gpus), ("fourfold-ddp-bucket100", args.gpus),
+            ("fourfold-ddp-bf16-reduce", args.gpus)]
+    chosen = args.variants.split(",")
+    plan = [(name, n) for name, n in plan if name in chosen]
     rows = []
     for name, n in plan:
         rows.append(run_variant_process(__file__, name, n, common))

@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--variants", default="", help="comma-separated names to run (default: all)")
     p.add_argument("--out", default="train_tp_cp.json")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -70,7 +71,8 @@ def main() -> None:
               "--long-seqs", args.long_seqs, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     common += ["--compile"] if args.compile else []
     rows = []
-    for name in variants(args.long, args.micro_batch, args.seq):
+    chosen = [n for n in variants(args.long, args.micro_batch, args.seq) if not args.variants or n in args.variants.split(",")]
+    for name in chosen:
         rows.append(run_variant_process(__file__, name, 2, common))
         print(rows[-1], flush=True)
     peers = {f"tp2-sp-s{args.seq}": f"fsdp2-s{args.seq}", f"tp2-nosp-s{args.seq}": f"fsdp2-s{args.seq}"}

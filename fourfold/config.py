@@ -102,7 +102,7 @@ class ParallelConfig:
     param_dtype: str = "fp32"
     """Dtype parameters are computed in under data parallel: fp32, bf16 or fp16 (fp32 master copies kept)."""
     reduce_dtype: str = "fp32"
-    """Dtype gradients are reduced in: fp32, bf16 or fp16."""
+    """Dtype gradients are reduced in: fp32, bf16 or fp16 (FSDP, or plain DDP through torch's compression hook)."""
     cp_method: str = "ring"
     """Context-parallel attention: ring (pass K/V around the ring) or allgather (gather K/V once)."""
     pp_layers: Optional[list] = None
@@ -142,7 +142,10 @@ class TrainConfig:
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights), fp16 (autocast with dynamic loss scaling), or fp64 (parity tests)."""
     compile: bool = False
-    """torch.compile each block."""
+    """torch.compile the model (see compile_scope)."""
+    compile_scope: str = "blocks"
+    """What one torch.compile covers: `blocks` (each transformer block; short compile, works with every
+    layout) or `model` (the whole forward, so the head and loss fuse too; one GPU or DDP only)."""
     recompute: str = "none"
     """Activation recomputation: none, full, selective or every-N (e.g. every-2)."""
     loss_chunk: int = 0
@@ -368,6 +371,8 @@ def validate(cfg: Config) -> None:
                           f"{closest(t.precision, TRAIN_PRECISIONS)}")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device '{t.device}' is not one of auto, cpu, cuda.")
+    if t.compile_scope not in ("blocks", "model"):
+        raise ConfigError(f"train.compile_scope '{t.compile_scope}' is not one of blocks, model.")
     rc = t.recompute
     if not (rc in ("none", "full", "selective") or (rc.startswith("every-") and rc[6:].isdigit() and int(rc[6:]) > 0)):
         raise ConfigError(f"train.recompute '{rc}' is not one of none, full, selective, every-N (N >= 1).")

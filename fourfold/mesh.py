@@ -80,11 +80,20 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         raise LayoutError(f"Context parallel splits each sequence into 2*cp={2 * p.cp} chunks (load balance); "
                           f"train.seq_len ({t.seq_len}) must be a multiple of {2 * p.cp}.")
     strategy = data_parallel_strategy(cfg)
-    if (p.param_dtype != "fp32" or p.reduce_dtype != "fp32") and strategy != "fsdp":
-        what = {"none": "a single data rank", "ddp": "DDP", "zero1": "ZeRO-1"}[strategy]
-        raise LayoutError(f"parallel.param_dtype / reduce_dtype ({p.param_dtype} / {p.reduce_dtype}) are FSDP's "
-                          f"mixed-precision settings, but this layout uses {what}. Shard with --parallel.fsdp N "
-                          "(zero 2 or 3), or keep them fp32 and use --train.precision bf16 (autocast).")
+    what = {"none": "a single data rank", "ddp": "DDP", "zero1": "ZeRO-1", "fsdp": "FSDP"}[strategy]
+    if p.param_dtype != "fp32" and strategy != "fsdp":
+        raise LayoutError(f"parallel.param_dtype ({p.param_dtype}) is FSDP's mixed-precision setting, but this "
+                          f"layout uses {what}. Shard with --parallel.fsdp N (zero 2 or 3), or keep it fp32 and "
+                          "use --train.precision bf16 (autocast).")
+    if p.reduce_dtype != "fp32" and (strategy not in ("ddp", "fsdp") or p.hierarchical_allreduce):
+        how = "the hierarchical all-reduce" if strategy == "ddp" else what
+        raise LayoutError(f"parallel.reduce_dtype ({p.reduce_dtype}) sets the dtype gradients are reduced in, which "
+                          f"FSDP and plain DDP support but not {how}. Keep --parallel.reduce_dtype fp32, or use "
+                          "--parallel.dp N without the hierarchical all-reduce, or --parallel.fsdp N.")
+    if t.compile and t.compile_scope == "model" and (strategy not in ("none", "ddp") or max(p.tp, p.cp, p.pp) > 1):
+        raise LayoutError(f"train.compile_scope model compiles the whole forward, which this layout ({shown}, "
+                          f"{strategy}) splits with hooks, DTensors or pipeline stages; use --train.compile_scope "
+                          "blocks (each block compiled), or run on one GPU or plain DDP.")
     stages = p.pp * p.vpp
     if p.vpp > 1 and p.pp == 1:
         raise LayoutError(f"parallel.vpp={p.vpp} splits each pipeline rank into virtual stages but parallel.pp is 1; "

@@ -41,7 +41,10 @@ class PrecisionPolicy:
         """An autocast context in the policy's dtype, or a no-op context when autocast is off."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+        # No weight cache: each weight is cast once per forward anyway, and the cache would keep every
+        # checkpointed block's bf16 weight copies alive until forward ends (15 GiB for an 8B model),
+        # which recomputation is meant to free.
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype, cache_enabled=False)
 
 
 class DynamicLossScaler:

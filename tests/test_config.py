@@ -32,6 +32,7 @@ def test_preset_fills_and_explicit_keys_win():
     ({"model.n_kv_heads": "3"}, ["n_kv_heads"]),
     ({"train.seq_len": "4096"}, ["max_seq_len"]),
     ({"train.recompute": "sometimes"}, ["every-N"]),
+    ({"train.compile_scope": "layers"}, ["train.compile_scope", "blocks, model"]),
     ({"parallel.pp_schedule": "1f1c"}, ["Did you mean '1f1b'"]),
 ])
 def test_bad_input_names_the_key(overrides, words):

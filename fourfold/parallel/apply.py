@@ -9,7 +9,8 @@ The order matters, and is the one torchtitan uses:
    inside the recomputed region like the core it replaces.
 3. Activation recomputation wraps blocks (or ops) before compile, so compile traces the checkpointed
    region and can fuse the recomputation.
-4. torch.compile per block (regional): short compile time, and each block is compiled once and reused.
+4. torch.compile per block (regional): short compile time, and each block is compiled once and reused;
+   or, with train.compile_scope "model", of the whole forward (one GPU or DDP only).
 5. Data parallel last: FSDP's fully_shard shards whatever parameters the earlier steps left (DTensors
    on the tp mesh included), and its hooks go around the compiled blocks.
 """
@@ -42,6 +43,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: Config, dp) -> nn.Mod
         from fourfold.recompute import apply_recompute
 
         apply_recompute(model, cfg.train.recompute)
-    if cfg.train.compile:
+    if cfg.train.compile and cfg.train.compile_scope == "model":
+        model.compile()  # one graph from tokens to logits (validate_layout allows it only on one GPU or DDP)
+    elif cfg.train.compile:
         compile_blocks(model)
     return dp.wrap(model)

@@ -12,7 +12,7 @@ dtype (at least fp32)):
 | block input (residual stream, Tn x d x r) | when r = n (RMSNorm saves it) | kept by the checkpoint | kept by the checkpoint |
 | RMSNorm x2: rsqrt (Tn x n) and normalised x (Tn x d x n); a fp32 copy of x when r != n | yes | recomputed | recomputed |
 | norm output as linear input (T x d x r), or under autocast one cast copy per linear (3 for q/k/v, 2 for w1/w3: T x d x a each) | yes | recomputed | recomputed |
-| autocast copies of the block's weights (a bytes per weight element) | yes | recomputed (alive in the autocast cache until forward ends: workspace) | same |
+| autocast copies of the block's weights (a bytes per weight element) | yes | recomputed (one block's copies at a time: workspace; the autocast weight cache is off) | same |
 | rotary: q and k after rotation (T x (q + k) x a); the cos/sin casts under autocast (4 x s x head_dim x a) | yes | recomputed | recomputed |
 | v (T x k x a) | yes | yes (a matmul output) | recomputed |
 | q and k before rotation (T x (q + k) x a) | no | yes (matmul outputs) | recomputed |
@@ -244,10 +244,11 @@ def chunk_activations(cfg: Config, sh: Shapes, layers: range, first: bool, last:
         if cast:
             head += sh.v * sh.d * dtype_size(sh.autocast)
 
-    # Workspace: the autocast cache holds checkpointed blocks' weight copies until forward ends; in backward
-    # a checkpointed block is rematerialised (plus its weight copies), next to gradient buffers.
+    # Workspace: fourfold's autocast runs without its weight cache, so a checkpointed block's weight copies
+    # live only while that block runs (one block's worth); in backward a checkpointed block is
+    # rematerialised (plus its weight copies), next to gradient buffers.
     ckpt = [(mo, layer) for mo, layer in zip(modes, layers) if mo != "none"]
-    cache = sum(weights[layer] for _, layer in ckpt) * dtype_size(sh.autocast) if cast else 0
+    cache = max((weights[layer] for _, layer in ckpt), default=0) * dtype_size(sh.autocast) if cast else 0
     remat = max((_block(sh, "none", r, weights[layer]) - _block(sh, mo, r, weights[layer]) for mo, layer in ckpt),
                 default=0)
     grad_buffers = 2 * sh.tn * sh.d * dtype_size(r) + 2 * sh.t * sh.f * a

@@ -178,11 +178,16 @@ class Trainer:
         return self.dp.grad_sync(self.model, enabled)
 
     # ----- the loop -----------------------------------------------------------------------------
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """One optimizer step: returns (mean loss on this rank, gradient norm, skipped) as tensors/flags."""
+    def train_step(self, micro: list | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One optimizer step: returns (mean loss on this rank, gradient norm, skipped) as tensors/flags.
+
+        `micro`: this rank's (inputs, targets) micro-batches for the step; by default the next ones from
+        the training data (benchmarks pass their own, e.g. to probe the largest micro-batch).
+        """
         cfg = self.cfg
         set_lr(self.optimizer, lr_at(self.step, cfg.train))
-        micro = self.train_batches.next_step()
+        if micro is None:
+            micro = self.train_batches.next_step()
         if self.executor is not None:
             if self.ctx.shard_batch is not None:
                 micro = [self.ctx.shard_batch(x, y) for x, y in micro]
