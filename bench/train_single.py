@@ -32,6 +32,7 @@ VARIANTS = {
     "fourfold-compile": {"train.compile": "true"},
     "fourfold-compile-chunked-ce": {"train.compile": "true", "train.loss_chunk": "4096"},
     "fourfold-compile-model": {"train.compile": "true", "train.compile_scope": "model"},
+    "fourfold-compile-model-chunked-ce": {"train.compile": "true", "train.compile_scope": "model", "train.loss_chunk": "4096"},
     "fourfold-compile-selective": {"train.compile": "true", "train.recompute": "selective"},
     "fourfold-compile-full-recompute": {"train.compile": "true", "train.recompute": "full"},
     "fourfold-compile-full-recompute-chunked-ce": {"train.compile": "true", "train.recompute": "full",
