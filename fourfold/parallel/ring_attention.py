@@ -19,8 +19,15 @@ saved final log-sum-exp (the flash-attention recipe), keeps dQ local, and sends 
 the ring again together with their dK/dV accumulators, which arrive back at their owner after cp hops.
 Every hop's send/receive is posted before the hop's compute, so communication overlaps computation.
 
-The per-block math is plain matmul + softmax so it runs on CPU (gloo tests, float64); masks are never
-larger than one block, and the loop has no host synchronisation (`.item()`).
+Two block kernels, the same algorithm around them:
+- CUDA with bf16/fp16 inputs: torch's flash-attention kernel (`aten._scaled_dot_product_flash_attention`
+  and its backward, the ops behind SDPA) gives each block's output and log-sum-exp without materialising
+  the (s/cp)^2 score matrix; its backward is handed the *final* output and lse, so it computes the block's
+  share of the full gradient. K/V heads are repeated per query head for the kernel (GQA), and dK/dV summed
+  back over each group.
+- everything else (CPU, float32/float64): plain matmul + softmax, one score block per hop, so the gloo
+  tests can check it in float64 (the fused path needs a GPU: bench/ring_flash_check.py checks it there).
+The loop has no host synchronisation (`.item()`).
 """
 
 from __future__ import annotations
@@ -87,6 +94,41 @@ def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
     return dq, dk, dv
 
 
+def uses_flash_kernel(q: torch.Tensor) -> bool:
+    """True where the blocks run on the flash-attention kernel: CUDA, fp16/bf16, head_dim <= 256."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+
+def _per_query_head(t: torch.Tensor, group: int) -> torch.Tensor:
+    """k or v (b, hkv, s, d) with each kv head repeated for its `group` query heads: (b, hkv * group, s, d)."""
+    return t.repeat_interleave(group, dim=1)
+
+
+def flash_block_forward(q, k, v, causal: bool, scale: float):
+    """One block on the flash kernel: (output (b, hkv, g, sq, d) in q's dtype, lse float32 (b, hkv, g, sq), meta).
+
+    `meta` is what the kernel's backward needs besides the tensors (sequence offsets, lengths, rng state).
+    """
+    b, hkv, g, sq, d = q.shape
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.reshape(b, hkv * g, sq, d), _per_query_head(k, g), _per_query_head(v, g), 0.0, causal, False, scale=scale)
+    out, lse = res[0], res[1]
+    return out.reshape(b, hkv, g, sq, d), lse.reshape(b, hkv, g, sq), tuple(res[2:8])
+
+
+def flash_block_backward(q, k, v, dout, out, lse, meta, causal: bool, scale: float):
+    """(dq, dk, dv) of one block on the flash kernel, given the final output and lse of q's rows."""
+    b, hkv, g, sq, d = q.shape
+    sk = k.shape[2]
+    cum_q, cum_k, max_q, max_k, rng_state, unused = meta
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.reshape(b, hkv * g, sq, d), q.reshape(b, hkv * g, sq, d), _per_query_head(k, g), _per_query_head(v, g),
+        out.reshape(b, hkv * g, sq, d), lse.reshape(b, hkv * g, sq).contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
+        causal, rng_state, unused, scale=scale)
+    return (dq.reshape(b, hkv, g, sq, d), dk.reshape(b, hkv, g, sk, d).sum(dim=2),
+            dv.reshape(b, hkv, g, sk, d).sum(dim=2))
+
+
 def _merge(out, lse, rows: slice, block_out, block_lse) -> None:
     """Fold one block's (output, lse) into the running result for query `rows`, in place (online softmax)."""
     old_out, old_lse = out[..., rows, :], lse[..., rows]
@@ -104,21 +146,31 @@ class _RingAttention(torch.autograd.Function):
         hkv = k.shape[1]
         wide = wide_dtype(q.dtype)
         scale = 1.0 / math.sqrt(d)
-        q_wide = q.reshape(b, hkv, hq // hkv, s, d).to(wide)  # query heads grouped under their kv head
-        out = q_wide.new_zeros(q_wide.shape)
-        lse = q_wide.new_full(q_wide.shape[:-1], float("-inf"))
+        flash = uses_flash_kernel(q)
+        q_grouped = q.reshape(b, hkv, hq // hkv, s, d)  # query heads grouped under their kv head
+        q_in = q_grouped if flash else q_grouped.to(wide)
+        out = q_grouped.new_zeros(q_grouped.shape, dtype=wide)
+        lse = q_grouped.new_full(q_grouped.shape[:-1], float("-inf"), dtype=wide)
+        metas = []
         k_cur, v_cur = k, v
         for hop in range(cp):
             # Post the next hop's exchange first so it travels while this block is computed.
             pending = send_recv_next([k_cur, v_cur], group, async_op=True) if hop + 1 < cp else None
             rows, cols, causal = block_plan(cp_rank, (cp_rank - hop) % cp, cp, s)
-            block_out, block_lse = block_forward(q_wide[..., rows, :], k_cur[:, :, cols].to(wide),
-                                                 v_cur[:, :, cols].to(wide), causal, scale)
-            _merge(out, lse, rows, block_out, block_lse)
+            if flash:
+                block_out, block_lse, meta = flash_block_forward(q_in[..., rows, :], k_cur[:, :, cols],
+                                                                 v_cur[:, :, cols], causal, scale)
+                metas.append(meta)
+            else:
+                block_out, block_lse = block_forward(q_in[..., rows, :], k_cur[:, :, cols].to(wide),
+                                                     v_cur[:, :, cols].to(wide), causal, scale)
+            _merge(out, lse, rows, block_out.to(wide), block_lse.to(wide))
             if pending is not None:
                 k_cur, v_cur = pending.wait()
+        if flash:
+            out = out.to(q.dtype)  # the flash backward takes the output in the inputs' dtype
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.cp_rank, ctx.cp, ctx.scale = group, cp_rank, cp, scale
+        ctx.group, ctx.cp_rank, ctx.cp, ctx.scale, ctx.metas = group, cp_rank, cp, scale, metas
         return out.reshape(b, hq, s, d).to(q.dtype)
 
     @staticmethod
@@ -126,19 +178,27 @@ class _RingAttention(torch.autograd.Function):
         """Gradients of the local q, k, v; dK/dV travel around the ring with their blocks and return to the owner."""
         q, k, v, out, lse = ctx.saved_tensors
         group, cp_rank, cp, scale = ctx.group, ctx.cp_rank, ctx.cp, ctx.scale
-        wide = out.dtype
-        q_wide = q.reshape(out.shape).to(wide)
-        dout = dout.reshape(out.shape).to(wide)
-        delta = (dout * out).sum(dim=-1)
-        dq = torch.zeros_like(q_wide)
+        flash = bool(ctx.metas)
+        wide = lse.dtype
+        if flash:
+            q_in, dout = q.reshape(out.shape), dout.reshape(out.shape).to(q.dtype)
+        else:
+            q_in, dout = q.reshape(out.shape).to(wide), dout.reshape(out.shape).to(wide)
+            delta = (dout * out).sum(dim=-1)
+        dq = torch.zeros(out.shape, dtype=wide, device=out.device)
         k_cur, v_cur = k, v
         dkv_pending = None
         for hop in range(cp):
             kv_pending = send_recv_next([k_cur, v_cur], group, async_op=True) if hop + 1 < cp else None
             rows, cols, causal = block_plan(cp_rank, (cp_rank - hop) % cp, cp, q.shape[2])
-            block_dq, block_dk, block_dv = block_backward(
-                q_wide[..., rows, :], k_cur[:, :, cols].to(wide), v_cur[:, :, cols].to(wide),
-                dout[..., rows, :], lse[..., rows], delta[..., rows], causal, scale)
+            if flash:
+                block_dq, block_dk, block_dv = flash_block_backward(
+                    q_in[..., rows, :], k_cur[:, :, cols], v_cur[:, :, cols], dout[..., rows, :],
+                    out[..., rows, :], lse[..., rows], ctx.metas[hop], causal, scale)
+            else:
+                block_dq, block_dk, block_dv = block_backward(
+                    q_in[..., rows, :], k_cur[:, :, cols].to(wide), v_cur[:, :, cols].to(wide),
+                    dout[..., rows, :], lse[..., rows], delta[..., rows], causal, scale)
             dq[..., rows, :] += block_dq
             # The accumulators for this owner's K/V come from the previous rank (its previous hop).
             if dkv_pending is None:
