@@ -46,13 +46,13 @@ def main() -> None:
 
     def reference(precision):
         """Causal SDPA over the whole sequence in `precision`; returns (out, dq, dk, dv) in float32."""
-        leaves = [t.to(precision).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(precision).clone().requires_grad_() for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
         (out.float() * weight).sum().backward()
         return [out.float()] + [t.grad.float() for t in leaves]
 
     exact, half = reference(torch.float32), reference(dtype)
-    local = [shard_sequence(t, 2, rank, cp).to(dtype).requires_grad_() for t in (q, k, v)]
+    local = [shard_sequence(t, 2, rank, cp).detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
     assert uses_flash_kernel(local[0])
     out = ring_attention(*local, dist.group.WORLD, rank, cp)
     (out.float() * shard_sequence(weight, 2, rank, cp)).sum().backward()

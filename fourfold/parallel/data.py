@@ -158,8 +158,11 @@ class DDP(DataParallel):
         """The model in DistributedDataParallel over the dp group, with the hierarchical all-reduce hook if asked."""
         p = self.cfg.parallel
         ids = [self.device.index] if self.device.type == "cuda" else None
+        # broadcast_buffers off: the model's only buffers are the rotary tables, computed identically on every
+        # rank, so broadcasting them before each forward would be a wasted collective and a sync point.
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=self.mesh.group("dp"),
-                                                  bucket_cap_mb=p.bucket_mb, gradient_as_bucket_view=True)
+                                                  bucket_cap_mb=p.bucket_mb, gradient_as_bucket_view=True,
+                                                  broadcast_buffers=False)
         if p.hierarchical_allreduce:
             from fourfold.parallel.hierarchical import HierarchicalState, hierarchical_allreduce_hook
 
@@ -185,7 +188,7 @@ class Zero1(DDP):
         # Gradients as views into DDP's buckets: no second copy of the gradients.
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=self.mesh.group("fsdp"),
                                                    bucket_cap_mb=self.cfg.parallel.bucket_mb,
-                                                   gradient_as_bucket_view=True)
+                                                   gradient_as_bucket_view=True, broadcast_buffers=False)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """A ZeroRedundancyOptimizer (AdamW, norms without weight decay) sharding its state over the fsdp group."""
