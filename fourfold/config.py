@@ -145,7 +145,10 @@ class TrainConfig:
     """torch.compile the model (see compile_scope)."""
     compile_scope: str = "blocks"
     """What one torch.compile covers: `blocks` (each transformer block; short compile, works with every
-    layout) or `model` (the whole forward, so the head and loss fuse too; one GPU or DDP only)."""
+    layout) or `model` (the whole forward, so fusion crosses block boundaries; one GPU or DDP only)."""
+    compile_memory_budget: float = 1.0
+    """Compiled graphs: fraction of the activation memory the partitioner may keep for backward (torch's
+    `activation_memory_budget`); below 1 it recomputes the cheapest activations to stay under it."""
     recompute: str = "none"
     """Activation recomputation: none, full, selective or every-N (e.g. every-2)."""
     loss_chunk: int = 0
@@ -371,6 +374,8 @@ def validate(cfg: Config) -> None:
                           f"{closest(t.precision, TRAIN_PRECISIONS)}")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device '{t.device}' is not one of auto, cpu, cuda.")
+    if not 0 < t.compile_memory_budget <= 1:
+        raise ConfigError(f"train.compile_memory_budget ({t.compile_memory_budget}) must be in (0, 1].")
     if t.compile_scope not in ("blocks", "model"):
         raise ConfigError(f"train.compile_scope '{t.compile_scope}' is not one of blocks, model.")
     rc = t.recompute

@@ -43,6 +43,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: Config, dp) -> nn.Mod
         from fourfold.recompute import apply_recompute
 
         apply_recompute(model, cfg.train.recompute)
+    if cfg.train.compile and cfg.train.compile_memory_budget < 1:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = cfg.train.compile_memory_budget
     if cfg.train.compile and cfg.train.compile_scope == "model":
         model.compile()  # one graph from tokens to logits (validate_layout allows it only on one GPU or DDP)
     elif cfg.train.compile:
