@@ -34,6 +34,8 @@ VARIANTS = {
     "fourfold-compile-model": {"train.compile": "true", "train.compile_scope": "model"},
     "fourfold-compile-model-budget95": {"train.compile": "true", "train.compile_scope": "model",
                                         "train.compile_memory_budget": "0.95"},
+    "fourfold-compile-model-budget99": {"train.compile": "true", "train.compile_scope": "model",
+                                        "train.compile_memory_budget": "0.99"},
     "fourfold-compile-model-chunked-ce": {"train.compile": "true", "train.compile_scope": "model", "train.loss_chunk": "4096"},
     "fourfold-compile-selective": {"train.compile": "true", "train.recompute": "selective"},
     "fourfold-compile-full-recompute": {"train.compile": "true", "train.recompute": "full"},
