@@ -2,11 +2,14 @@
 
     torchrun --standalone --nproc-per-node 2 bench/tp_parity_probe.py --device cuda [--no-sp]
 
-A diagnostic for the NCCL tp2 parity gap in docs/benchmarks.md (gloo agrees to 1e-14). Every rank builds
-the same float64 model from one seed; rank 0 also runs it whole on its device as the reference. The
-tp copy is sharded with `apply_tensor_parallel`, runs the same batch through the vocab-parallel loss,
-and its gradients are gathered to full tensors. Rank 0 prints the logits and loss differences and the
-parameters ordered by gradient difference, so the first layer or module that differs stands out.
+Written to locate the NCCL tp2 parity gap in docs/benchmarks.md (torch 2.11 stepped on unreduced
+sequence-parallel norm gradients; fixed by `settle_partial_grads`). Every rank builds the same float64
+model from one seed; rank 0 also runs it whole on its device as the reference. The tp copy is sharded
+with `apply_tensor_parallel`, runs the same batch through the vocab-parallel loss, and its gradients are
+settled as the trainer settles them. Compared per parameter is what the optimizer will read: the local
+gradient of a replicated parameter, the gathered gradient of a sharded one. Rank 0 prints the logits and
+loss differences and the parameters ordered by gradient difference, so the first module that differs
+stands out.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def main() -> None:
 
     from fourfold.config import ModelConfig
     from fourfold.models.llama import Llama
-    from fourfold.parallel.tensor import apply_tensor_parallel, compute_loss, loss_context
+    from fourfold.parallel.tensor import apply_tensor_parallel, compute_loss, loss_context, settle_partial_grads
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -61,7 +64,15 @@ def main() -> None:
         loss = compute_loss(logits, targets)
         loss.backward()
     full_logits = logits.full_tensor()
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in tp.named_parameters()}
+    settle_partial_grads(tp.parameters())
+
+    def as_read(grad):
+        """The gradient as the optimizer reads it: a replicated DTensor's local tensor, a shard gathered."""
+        if not hasattr(grad, "placements"):
+            return grad
+        return grad.to_local() if all(pl.is_replicate() for pl in grad.placements) else grad.full_tensor()
+
+    grads = {n: as_read(p.grad) for n, p in tp.named_parameters()}
     if rank == 0:
         print(f"device {device}, tp={world}, sequence parallel {not args.no_sp}, torch {torch.__version__}")
         print(f"max |logits diff| {float((full_logits - ref_logits).detach().abs().max()):.3e}")
