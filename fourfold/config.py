@@ -102,7 +102,7 @@ class ParallelConfig:
     param_dtype: str = "fp32"
     """Dtype parameters are computed in under data parallel: fp32, bf16 or fp16 (fp32 master copies kept)."""
     reduce_dtype: str = "fp32"
-    """Dtype gradients are reduced in: fp32, bf16 or fp16 (FSDP, or plain DDP through torch's compression hook)."""
+    """Dtype gradients are reduced in: fp32, bf16 or fp16 (FSDP, or plain DDP through fourfold's low-precision comm hook)."""
     cp_method: str = "ring"
     """Context-parallel attention: ring (pass K/V around the ring) or allgather (gather K/V once)."""
     pp_layers: Optional[list] = None

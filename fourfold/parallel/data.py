@@ -33,8 +33,8 @@ from torch import nn
 
 from fourfold.config import Config
 from fourfold.mesh import ParallelMesh, data_parallel_strategy
-from fourfold.train.optim import adamw_kwargs, build_adamw, decay_groups, fold_clip, folds_clipping
 from fourfold.precision import DTYPES
+from fourfold.train.optim import adamw_kwargs, build_adamw, decay_groups, fold_clip, folds_clipping
 
 
 def tensor_bytes(tensors) -> int:
