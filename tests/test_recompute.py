@@ -63,3 +63,37 @@ def test_which_blocks_each_mode_recomputes():
     assert recomputed_blocks("every-3", 7) == [0, 3, 6]
     with pytest.raises(ValueError, match="every-N"):
         recomputed_blocks("sometimes", 2)
+
+
+def test_recompute_summary_predicts_saving_and_extra_flops():
+    import dataclasses
+
+    from fourfold.config import build_config
+    from fourfold.models.llama import training_flops_per_token
+    from fourfold.plan.memory import estimate_memory
+    from fourfold.plan.recompute_cost import block_forward_flops_per_token, recompute_summary
+
+    flat = {"model.preset": "llama-1b", "train.seq_len": "2048", "train.micro_batch": "4", "train.global_batch": "4",
+            "train.precision": "bf16", "train.device": "cuda"}
+    base = build_config({}, flat)
+    m = base.model
+    # The blocks' forward FLOPs (x3 for forward + backward) plus the head and norms are the MFU total.
+    head_and_norms = 6.0 * (m.dim * m.vocab_size + (2 * m.n_layers + 1) * m.dim)
+    assert 3 * m.n_layers * block_forward_flops_per_token(m, 2048) + head_and_norms == pytest.approx(
+        training_flops_per_token(m, 2048))
+    assert recompute_summary(base, 1) is None
+
+    none_act = estimate_memory(base, 1).activations
+    summaries = {}
+    for mode in ("full", "selective", "every-2"):
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, recompute=mode))
+        s = summaries[mode] = recompute_summary(cfg, 1)
+        assert s.activations_without == none_act
+        assert s.activations == estimate_memory(cfg, 1).activations
+        assert 0 < s.saved_bytes < none_act
+        assert mode in s.line() and "saves" in s.line()
+    # Full recompute repeats every block's forward: about a third of the step's FLOPs; every-2 half of that.
+    assert 0.25 < summaries["full"].extra_flops_fraction < 1 / 3
+    assert summaries["every-2"].extra_flops_fraction == pytest.approx(summaries["full"].extra_flops_fraction / 2)
+    assert summaries["selective"].extra_flops_fraction == 0
+    assert summaries["full"].saved_bytes > summaries["selective"].saved_bytes > 0

@@ -73,3 +73,12 @@ def test_python_dash_m_entry_point_trains_and_samples(tmp_path):
                          capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "120"})
     assert out.returncode == 0, out.stderr
     assert "done" in out.stdout and "sample" in out.stdout
+
+
+def test_run_reports_what_recompute_saves_and_costs(tmp_path):
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    train(tiny_config(tmp_path, **{"train.steps": "1", "train.recompute": "full"}), tmp_path / "run", console=console)
+    text = console.export_text()
+    assert "recompute full: activations" in text and "saves" in text and "model FLOPs per step" in text

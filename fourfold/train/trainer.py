@@ -354,6 +354,10 @@ class Trainer:
         estimate = self._memory_estimate()
         if estimate is not None:
             self.console.print(estimate.table())
+        if cfg.train.recompute != "none" and estimate is not None:
+            from fourfold.plan.recompute_cost import recompute_summary
+
+            self.console.print(recompute_summary(cfg, self.env.world_size).line())
 
     def _memory_estimate(self, rank: int | None = None):
         """The memory prediction for this layout, or None (with a warning) if the model cannot handle it.

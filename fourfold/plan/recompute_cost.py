@@ -1,0 +1,70 @@
+"""What activation recomputation buys and costs for a config: activation bytes saved and extra forward FLOPs.
+
+    summary = recompute_summary(cfg, world_size)      # None when train.recompute is "none"
+    print(summary.line())
+
+The bytes come from the memory model (`fourfold.plan.memory`, exact on CPU and checked against CUDA peaks),
+once with the chosen mode and once with none. The cost is the forward work recomputation repeats in
+backward, as a fraction of the model FLOPs of a training step (the MFU numerator): full and every-N
+recompute re-run the whole forward of their blocks; selective keeps every matmul and attention output
+and re-runs element-wise work only, which adds no matmul FLOPs (its cost is memory traffic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fourfold.config import Config, ModelConfig
+from fourfold.models.llama import training_flops_per_token
+from fourfold.plan.memory import estimate_memory
+from fourfold.recompute import recomputed_blocks
+from fourfold.train.metrics import format_bytes
+
+
+def block_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs of one transformer block per token: its matmuls plus attention's two products.
+
+    Attention is counted as in `training_flops_per_token` (4 * dim * seq forward, no causal halving), so
+    the blocks' forward FLOPs times 3 plus the head's add up to that function's total.
+    """
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    matmul_params = cfg.dim * q + 2 * cfg.dim * kv + q * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    return 2.0 * matmul_params + 4.0 * cfg.dim * seq_len
+
+
+@dataclass
+class RecomputeSummary:
+    """Predicted effect of `mode` on one rank: activations with and without it, and the extra compute."""
+
+    mode: str
+    activations: int
+    activations_without: int
+    extra_flops_fraction: float
+
+    @property
+    def saved_bytes(self) -> int:
+        """Activation bytes the mode saves on this rank."""
+        return self.activations_without - self.activations
+
+    def line(self) -> str:
+        """One line for the start of a run."""
+        cost = (f"+{self.extra_flops_fraction:.0%} model FLOPs per step (a forward of the recomputed blocks)"
+                if self.extra_flops_fraction else "element-wise work only, no extra matmul FLOPs")
+        return (f"recompute {self.mode}: activations {format_bytes(self.activations)} instead of "
+                f"{format_bytes(self.activations_without)} (saves {format_bytes(self.saved_bytes)}, predicted); "
+                f"costs {cost}")
+
+
+def recompute_summary(cfg: Config, world_size: int, rank: int | None = None) -> RecomputeSummary | None:
+    """The predicted saving and cost of cfg.train.recompute on `rank` (the largest rank when None)."""
+    mode = cfg.train.recompute
+    if mode == "none":
+        return None
+    without = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
+    with_mode = estimate_memory(cfg, world_size, rank)
+    baseline = estimate_memory(without, world_size, rank)
+    m, seq = cfg.model, cfg.train.seq_len
+    repeated = 0.0 if mode == "selective" else len(recomputed_blocks(mode, m.n_layers)) * block_forward_flops_per_token(m, seq)
+    return RecomputeSummary(mode, with_mode.activations, baseline.activations,
+                            repeated / training_flops_per_token(m, seq))
