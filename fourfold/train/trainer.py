@@ -357,7 +357,10 @@ class Trainer:
         if cfg.train.recompute != "none" and estimate is not None:
             from fourfold.plan.recompute_cost import recompute_summary
 
-            self.console.print(recompute_summary(cfg, self.env.world_size).line())
+            try:
+                self.console.print(recompute_summary(cfg, self.env.world_size).line())
+            except Exception as e:  # noqa: BLE001 - advice only, as the memory prediction
+                self._log(f"[yellow]recompute summary unavailable for this layout: {e}[/]")
 
     def _memory_estimate(self, rank: int | None = None):
         """The memory prediction for this layout, or None (with a warning) if the model cannot handle it.
