@@ -95,8 +95,10 @@ def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
 
 
 def uses_flash_kernel(q: torch.Tensor) -> bool:
-    """True where the blocks run on the flash-attention kernel: CUDA, fp16/bf16, head_dim <= 256."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    """True where the blocks run on the flash-attention kernel: CUDA sm80+ (Ampere, Hopper), fp16/bf16,
+    head_dim <= 256; other GPUs fall back to the matmul blocks."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
 def _per_query_head(t: torch.Tensor, group: int) -> torch.Tensor:
