@@ -22,6 +22,7 @@ sys.path[:0] = [ROOT]
 LAYOUTS = {
     "dp2": ["--parallel.dp", "2"], "fsdp2": ["--parallel.fsdp", "2"], "zero1": ["--parallel.fsdp", "2", "--parallel.zero", "1"],
     "tp2": ["--parallel.tp", "2"], "tp2-nosp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "false"],
+    "cp2": ["--parallel.cp", "2"], "pp2": ["--parallel.pp", "2"],
     "pp2-zb": ["--parallel.pp", "2", "--parallel.pp_schedule", "zero-bubble"],
 }
 BASE = ["--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2",
