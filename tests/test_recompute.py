@@ -71,7 +71,7 @@ def test_recompute_summary_predicts_saving_and_extra_flops():
     from fourfold.config import build_config
     from fourfold.models.llama import training_flops_per_token
     from fourfold.plan.memory import estimate_memory
-    from fourfold.plan.recompute_cost import block_forward_flops_per_token, recompute_summary
+    from fourfold.plan.recompute_cost import block_forward_flops_per_token, recompute_summary, without_recompute
 
     flat = {"model.preset": "llama-1b", "train.seq_len": "2048", "train.micro_batch": "4", "train.global_batch": "4",
             "train.precision": "bf16", "train.device": "cuda"}
@@ -81,13 +81,13 @@ def test_recompute_summary_predicts_saving_and_extra_flops():
     head_and_norms = 6.0 * (m.dim * m.vocab_size + (2 * m.n_layers + 1) * m.dim)
     assert 3 * m.n_layers * block_forward_flops_per_token(m, 2048) + head_and_norms == pytest.approx(
         training_flops_per_token(m, 2048))
-    assert recompute_summary(base, 1) is None
 
     none_act = estimate_memory(base, 1).activations
     summaries = {}
     for mode in ("full", "selective", "every-2"):
         cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, recompute=mode))
-        s = summaries[mode] = recompute_summary(cfg, 1)
+        assert without_recompute(cfg) == base  # the baseline differs from cfg in the recompute mode only
+        s = summaries[mode] = recompute_summary(cfg, estimate_memory(cfg, 1), estimate_memory(without_recompute(cfg), 1))
         assert s.activations_without == none_act
         assert s.activations == estimate_memory(cfg, 1).activations
         assert 0 < s.saved_bytes < none_act

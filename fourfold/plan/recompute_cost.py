@@ -1,10 +1,12 @@
 """What activation recomputation buys and costs for a config: activation bytes saved and extra forward FLOPs.
 
-    summary = recompute_summary(cfg, world_size)      # None when train.recompute is "none"
-    print(summary.line())
+    with_mode = estimate_memory(cfg, world_size)
+    without = estimate_memory(without_recompute(cfg), world_size)
+    print(recompute_summary(cfg, with_mode, without).line())
 
 The bytes come from the memory model (`fourfold.plan.memory`, exact on CPU and checked against CUDA peaks),
-once with the chosen mode and once with none. The cost is the forward work recomputation repeats in
+once with the chosen mode and once with none; the caller passes both estimates (the trainer already has
+the first one). The cost is the forward work recomputation repeats in
 backward, as a fraction of the model FLOPs of a training step (the MFU numerator): full and every-N
 recompute re-run the whole forward of their blocks; selective keeps every matmul and attention output
 and re-runs element-wise work only, which adds no matmul FLOPs (its cost is memory traffic).
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from fourfold.config import Config, ModelConfig
 from fourfold.models.llama import training_flops_per_token
-from fourfold.plan.memory import estimate_memory
+from fourfold.plan.memory import MemoryEstimate
 from fourfold.recompute import recomputed_blocks
 from fourfold.train.metrics import format_bytes
 
@@ -56,15 +58,15 @@ class RecomputeSummary:
                 f"costs {cost}")
 
 
-def recompute_summary(cfg: Config, world_size: int, rank: int | None = None) -> RecomputeSummary | None:
-    """The predicted saving and cost of cfg.train.recompute on `rank` (the largest rank when None)."""
-    mode = cfg.train.recompute
-    if mode == "none":
-        return None
-    without = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
-    with_mode = estimate_memory(cfg, world_size, rank)
-    baseline = estimate_memory(without, world_size, rank)
-    m, seq = cfg.model, cfg.train.seq_len
+def without_recompute(cfg: Config) -> Config:
+    """`cfg` with train.recompute "none": the baseline the summary compares with."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
+
+
+def recompute_summary(cfg: Config, with_mode: MemoryEstimate, without: MemoryEstimate) -> RecomputeSummary:
+    """The predicted saving and cost of cfg.train.recompute, from the memory estimates of `cfg` and of
+    `without_recompute(cfg)` (same world size and rank)."""
+    mode, m, seq = cfg.train.recompute, cfg.model, cfg.train.seq_len
     repeated = 0.0 if mode == "selective" else len(recomputed_blocks(mode, m.n_layers)) * block_forward_flops_per_token(m, seq)
-    return RecomputeSummary(mode, with_mode.activations, baseline.activations,
+    return RecomputeSummary(mode, with_mode.activations, without.activations,
                             repeated / training_flops_per_token(m, seq))

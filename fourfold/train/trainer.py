@@ -355,20 +355,19 @@ class Trainer:
         if estimate is not None:
             self.console.print(estimate.table())
         if cfg.train.recompute != "none" and estimate is not None:
-            from fourfold.plan.recompute_cost import recompute_summary
+            from fourfold.plan.recompute_cost import recompute_summary, without_recompute
 
-            try:
-                self.console.print(recompute_summary(cfg, self.env.world_size).line())
-            except Exception as e:  # noqa: BLE001 - advice only, as the memory prediction
-                self._log(f"[yellow]recompute summary unavailable for this layout: {e}[/]")
+            baseline = self._memory_estimate(cfg=without_recompute(cfg))
+            if baseline is not None:
+                self.console.print(recompute_summary(cfg, estimate, baseline).line())
 
-    def _memory_estimate(self, rank: int | None = None):
-        """The memory prediction for this layout, or None (with a warning) if the model cannot handle it.
+    def _memory_estimate(self, rank: int | None = None, cfg: Config | None = None):
+        """The memory prediction for this layout (or `cfg`'s), or None (with a warning) if the model cannot handle it.
 
         The prediction is advice: a shape or option it does not model must never stop a training run.
         """
         try:
-            return estimate_memory(self.cfg, self.env.world_size, rank)
+            return estimate_memory(cfg or self.cfg, self.env.world_size, rank)
         except Exception as e:  # noqa: BLE001 - report and train on
             self._log(f"[yellow]memory prediction unavailable for this layout: {e}[/]")
             return None
