@@ -114,11 +114,11 @@ def main() -> None:
         return run_one(args.one, args)
     common = ["--preset", args.preset, "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--compile"] if args.compile else [])
-    plan = [("torch-1gpu", 1), ("fourfold-1gpu", 1), ("torch-ddp", args.gpus), ("fourfold-ddp", args.gpus),
-            ("torch-fsdp2", args.gpus), ("fourfold-fsdp", args.gpus), ("fourfold-ddp-bucket100", args.gpus),
-            ("fourfold-ddp-bf16-reduce", args.gpus)]
     chosen = args.variants.split(",")
-    plan = [(name, n) for name, n in plan if name in chosen]
+    unknown = set(chosen) - {*PEERS, *PEERS.values()}
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; known: {sorted({*PEERS, *PEERS.values()})}")
+    plan = [(name, 1 if name.endswith("-1gpu") else args.gpus) for name in chosen]
     rows = []
     for name, n in plan:
         rows.append(run_variant_process(__file__, name, n, common))

@@ -68,7 +68,7 @@ def hf_step(preset: str, micro_batch: int, seq: int, compile_model: bool, recomp
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     fwd = torch.compile(model) if compile_model else model
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch_generator()
 
     def step(batch: int = micro_batch):
         """One Hugging Face training step on random tokens; return the detached loss."""

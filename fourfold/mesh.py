@@ -90,7 +90,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         raise LayoutError(f"parallel.reduce_dtype ({p.reduce_dtype}) sets the dtype gradients are reduced in, which "
                           f"FSDP and plain DDP support but not {how}. Keep --parallel.reduce_dtype fp32, or use "
                           "--parallel.dp N without the hierarchical all-reduce, or --parallel.fsdp N.")
-    if t.compile and t.compile_scope == "model" and (strategy not in ("none", "ddp") or max(p.tp, p.cp, p.pp) > 1):
+    if t.compile and t.compile_scope == "model" and (strategy not in ("none", "ddp") or p.pp > 1):  # tp/cp imply fsdp
         raise LayoutError(f"train.compile_scope model compiles the whole forward, which this layout ({shown}, "
                           f"{strategy}) splits with hooks, DTensors or pipeline stages; use --train.compile_scope "
                           "blocks (each block compiled), or run on one GPU or plain DDP.")

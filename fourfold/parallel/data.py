@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fourfold.config import Config
@@ -133,8 +134,6 @@ def low_precision_allreduce_hook(dtype: torch.dtype):
 
     def hook(group, bucket):  # no return annotation: DDP checks it against the real type, not a string
         """Start the bucket's low-precision all-reduce; the future yields the averaged fp32 bucket."""
-        import torch.distributed as dist
-
         full = bucket.buffer()
         low = full.to(dtype).div_(dist.get_world_size(group))
         future = dist.all_reduce(low, group=group, async_op=True).get_future()
