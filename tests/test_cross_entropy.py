@@ -37,3 +37,26 @@ def test_bfloat16_logits_are_reduced_in_float32():
     assert logits.grad.dtype == torch.bfloat16
     ref = F.cross_entropy(logits.detach().float().flatten(0, 1), targets.flatten())
     torch.testing.assert_close(ours.detach(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_training_loss_matches_the_eager_one(tmp_path):
+    """train.compile compiles the plain cross-entropy (inductor on CPU): same value and gradient, logits' dtype kept."""
+    from fourfold.config import build_config
+    from fourfold.mesh import ParallelMesh
+    from fourfold.train.losses import build_loss
+
+    cfg = build_config({}, {"train.compile": "true", "train.device": "cpu"})
+    loss_fn, _ = build_loss(cfg, ParallelMesh.build(cfg))
+    assert loss_fn is not cross_entropy and hasattr(loss_fn, "_torchdynamo_orig_callable")  # really compiled
+    gen = torch.Generator().manual_seed(3)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        logits = (3 * torch.randn(2, 24, 70, generator=gen)).to(dtype).requires_grad_()
+        targets = torch.randint(0, 70, (2, 24), generator=gen)
+        ours = loss_fn(logits, targets)
+        (grad,) = torch.autograd.grad(ours * 1.7, logits)
+        ref = F.cross_entropy(logits.detach().float().flatten(0, 1), targets.flatten())
+        ref_logits = logits.detach().float().requires_grad_()
+        (ref_grad,) = torch.autograd.grad(1.7 * F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten()), ref_logits)
+        assert ours.dtype == torch.float32 and grad.dtype == dtype
+        torch.testing.assert_close(ours.detach(), ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad.float(), ref_grad, rtol=tol, atol=tol * 1e-2)

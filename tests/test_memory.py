@@ -235,3 +235,15 @@ def test_every_layout_has_a_prediction_for_every_rank(ranks, overrides):
 def test_a_layout_that_does_not_fit_the_world_is_refused():
     with pytest.raises(LayoutError, match="uses 2 ranks but 4"):
         estimate_memory(_cfg(**{"parallel.tp": 2}), 4)
+
+
+def test_compiled_loss_keeps_the_logits_and_one_log_sum_exp_per_token():
+    base = {**SMALL, "model.vocab_size": 4096, "train.device": "cpu", "train.precision": "bf16"}
+    plain = estimate_memory(build_config({}, base), 1)
+    compiled = estimate_memory(build_config({}, {**base, "train.compile": "true"}), 1)
+    chunked = estimate_memory(build_config({}, {**base, "train.compile": "true", "train.loss_chunk": 16}), 1)
+    tokens = 2 * 32
+    assert compiled.logits_saved == tokens * 4096 * 2 + tokens * 4 + tokens * 8  # bf16 logits, fp32 lse, targets
+    assert compiled.logits == 2 * tokens * 4096 * 2  # the logits and their bf16 gradient at backward start
+    assert compiled.logits < plain.logits
+    assert chunked.logits_saved == tokens * 4096 * 2 + 4  # loss_chunk still chooses the chunked loss

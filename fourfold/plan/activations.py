@@ -43,7 +43,8 @@ The attention kernel decides what attention keeps:
 - Context parallel: ring attention keeps q, k, v, a wide (fp32) output and log-sum-exp and wo's input copy;
   all-gather attention keeps the gathered K and V (modelled, not measured).
 
-Not modelled: torch.compile (inductor chooses what to save), float8 and fused kernels, the CUDA caching
+Compiled cross-entropy (train.compile without loss_chunk): keeps the logits and a log-sum-exp per token
+(modelled). Not modelled: what torch.compile saves inside the blocks (inductor chooses), the CUDA caching
 allocator's fragmentation and the CUDA/NCCL context itself.
 """
 
@@ -172,10 +173,16 @@ def _block(sh: Shapes, mode: str, x_dtype: torch.dtype, weight_elems: int) -> in
     return out
 
 
-def loss_bytes(sh: Shapes, chunk: int, tp: int) -> tuple[int, int, int]:
-    """(saved for backward, peak at backward start, forward peak) of the loss region, in bytes."""
+def loss_bytes(sh: Shapes, chunk: int, tp: int, compiled: bool = False) -> tuple[int, int, int]:
+    """(saved for backward, peak at backward start, forward peak) of the loss region, in bytes.
+
+    `compiled`: the cross-entropy runs through torch.compile (train.compile without loss_chunk or tp).
+    """
     a, w = dtype_size(sh.linear), dtype_size(wide_dtype(sh.linear))
     t, v = sh.t, sh.v
+    if compiled and chunk == 0 and tp == 1:
+        # Fused: keeps the logits and one log-sum-exp per token; backward writes the logits' gradient directly
+        return t * v * a + t * w + t * 8, 2 * t * v * a, t * v * a + t * w
     if chunk > 0 and tp == 1:
         # _ChunkedCrossEntropy: keeps d(loss)/d(logits) in the logits' dtype; backward scales it into a new tensor
         temps = min(chunk, t) * v * (3 * w + (a + w if a != w else 0))

@@ -213,7 +213,7 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
             parts_sum[k] = parts_sum.get(k, 0) + v
         chunk_bytes = parts["streams"] + parts["blocks"] + parts["extra"] + parts["head"]
         if last:
-            loss_saved, loss_peak, loss_forward = loss_bytes(sh, t.loss_chunk, p.tp)
+            loss_saved, loss_peak, loss_forward = loss_bytes(sh, t.loss_chunk, p.tp, t.compile)
             loss_peak = max(loss_peak, loss_forward)
             chunk_bytes += loss_saved
         per_chunk.append(chunk_bytes)
