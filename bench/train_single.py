@@ -41,6 +41,10 @@ VARIANTS = {
     "fourfold-compile-full-recompute": {"train.compile": "true", "train.recompute": "full"},
     "fourfold-compile-full-recompute-chunked-ce": {"train.compile": "true", "train.recompute": "full",
                                                    "train.loss_chunk": "4096"},
+    "fourfold-compile-float8": {"train.compile": "true", "train.float8": "true"},
+    "fourfold-compile-model-float8": {"train.compile": "true", "train.compile_scope": "model", "train.float8": "true"},
+    "fourfold-compile-full-recompute-float8": {"train.compile": "true", "train.recompute": "full",
+                                               "train.loss_chunk": "4096", "train.float8": "true"},
     "hf-eager-recompute": {"recompute": True},
 }
 

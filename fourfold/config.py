@@ -153,10 +153,9 @@ class TrainConfig:
     """Activation recomputation: none, full, selective or every-N (e.g. every-2)."""
     loss_chunk: int = 0
     """Tokens per chunk of the cross-entropy (bounds fp32 logits memory); 0 computes it in one piece."""
-    fused_kernels: bool = False
-    """Use optional fused GPU kernels (Liger-Kernel) where installed."""
     float8: bool = False
-    """float8 matmuls for the linear layers on Hopper GPUs (torchao), where available."""
+    """float8 matmuls for the transformer blocks' linear layers (torchao, dynamic tensorwise scaling); needs
+    precision bf16, tp 1 and, on GPUs, compute capability 8.9+ (Hopper, Ada). See fourfold/ops/float8.py."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     val_every: int = 50
@@ -378,6 +377,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.compile_memory_budget ({t.compile_memory_budget}) must be in (0, 1].")
     if t.compile_scope not in ("blocks", "model"):
         raise ConfigError(f"train.compile_scope '{t.compile_scope}' is not one of blocks, model.")
+    if t.float8 and t.precision != "bf16":
+        raise ConfigError(f"train.float8 runs the block matmuls in float8 around a bf16 model; it needs "
+                          f"--train.precision bf16 (got {t.precision}), or set --train.float8 false.")
     rc = t.recompute
     if not (rc in ("none", "full", "selective") or (rc.startswith("every-") and rc[6:].isdigit() and int(rc[6:]) > 0)):
         raise ConfigError(f"train.recompute '{rc}' is not one of none, full, selective, every-N (N >= 1).")

@@ -94,6 +94,14 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         raise LayoutError(f"train.compile_scope model compiles the whole forward, which this layout ({shown}, "
                           f"{strategy}) splits with hooks, DTensors or pipeline stages; use --train.compile_scope "
                           "blocks (each block compiled), or run on one GPU or plain DDP.")
+    if t.float8:
+        from fourfold.ops.float8 import require_torchao
+
+        if p.tp > 1:
+            raise LayoutError(f"train.float8 is not supported with tensor parallel (tp={p.tp}): torchao's float8 "
+                              "linears need their own tensor-parallel styles. Set --parallel.tp 1 (shard with "
+                              "--parallel.fsdp instead) or --train.float8 false.")
+        require_torchao()
     stages = p.pp * p.vpp
     if p.vpp > 1 and p.pp == 1:
         raise LayoutError(f"parallel.vpp={p.vpp} splits each pipeline rank into virtual stages but parallel.pp is 1; "

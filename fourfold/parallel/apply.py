@@ -1,4 +1,4 @@
-"""Apply a layout to a model: tensor/sequence parallel, context parallel, recomputation, compile, data parallel.
+"""Apply a layout to a model: tensor/sequence parallel, context parallel, float8, recomputation, compile, data parallel.
 
     model = parallelize(model, mesh, cfg, dp)   # dp: fourfold.parallel.data.DataParallel
 
@@ -7,11 +7,13 @@ The order matters, and is the one torchtitan uses:
    everything after sees the sharded weights.
 2. Context parallel swaps the attention core; it must precede recomputation so the ring attention is
    inside the recomputed region like the core it replaces.
-3. Activation recomputation wraps blocks (or ops) before compile, so compile traces the checkpointed
+3. float8 (train.float8) swaps the block linears for torchao's float8 ones, so recomputation and compile
+   see the float8 matmuls.
+4. Activation recomputation wraps blocks (or ops) before compile, so compile traces the checkpointed
    region and can fuse the recomputation.
-4. torch.compile per block (regional): short compile time, and each block is compiled once and reused;
+5. torch.compile per block (regional): short compile time, and each block is compiled once and reused;
    or, with train.compile_scope "model", of the whole forward (one GPU or DDP only).
-5. Data parallel last: FSDP's fully_shard shards whatever parameters the earlier steps left (DTensors
+6. Data parallel last: FSDP's fully_shard shards whatever parameters the earlier steps left (DTensors
    on the tp mesh included), and its hooks go around the compiled blocks.
 """
 
@@ -39,6 +41,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: Config, dp) -> nn.Mod
         from fourfold.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, mesh.get("cp"), cfg.parallel.cp_method)
+    if cfg.train.float8:
+        from fourfold.ops.float8 import apply_float8
+
+        apply_float8(model)
     if cfg.train.recompute != "none":
         from fourfold.recompute import apply_recompute
 
