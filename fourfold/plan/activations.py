@@ -44,8 +44,9 @@ The attention kernel decides what attention keeps:
   all-gather attention keeps the gathered K and V (modelled, not measured).
 
 Compiled cross-entropy (train.compile without loss_chunk): keeps the logits and a log-sum-exp per token
-(modelled). Not modelled: what torch.compile saves inside the blocks (inductor chooses), the CUDA caching
-allocator's fragmentation and the CUDA/NCCL context itself.
+(modelled). Not modelled: what torch.compile saves inside the blocks (inductor chooses), train.float8
+(which keeps float8 copies of the matmul inputs), the CUDA caching allocator's fragmentation and the
+CUDA/NCCL context itself.
 """
 
 from __future__ import annotations
