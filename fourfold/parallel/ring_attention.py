@@ -94,11 +94,21 @@ def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
     return dq, dk, dv
 
 
-def uses_flash_kernel(q: torch.Tensor) -> bool:
-    """True where the blocks run on the flash-attention kernel: CUDA sm80+ (Ampere, Hopper), fp16/bf16,
-    head_dim <= 256; other GPUs fall back to the matmul blocks."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+FUSED_KERNELS = ("cudnn", "flash", "flash-repeat")
+
+
+def fused_block_kernel(q: torch.Tensor) -> str | None:
+    """The fused kernel the blocks run on for these inputs, or None for the matmul blocks.
+
+    cuDNN's attention on Hopper and later (head_dim <= 128), FlashAttention-2 on other sm80+ GPUs
+    (head_dim <= 256); both take grouped-query K/V as they are. fp16/bf16 only.
+    """
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    major = torch.cuda.get_device_capability(q.device)[0]
+    if major >= 9 and q.shape[-1] <= 128 and torch.backends.cudnn.is_available():
+        return "cudnn"
+    return "flash" if major >= 8 and q.shape[-1] <= 256 else None
 
 
 def _per_query_head(t: torch.Tensor, group: int) -> torch.Tensor:
@@ -106,32 +116,50 @@ def _per_query_head(t: torch.Tensor, group: int) -> torch.Tensor:
     return t.repeat_interleave(group, dim=1)
 
 
-def flash_block_forward(q, k, v, causal: bool, scale: float):
-    """One block on the flash kernel: (output (b, hkv, g, sq, d) in q's dtype, lse float32 (b, hkv, g, sq), meta).
+def fused_block_forward(kernel: str, q, k, v, causal: bool, scale: float):
+    """One block on a fused kernel: (output (b, hkv, g, sq, d) in q's dtype, lse float32 (b, hkv, g, sq), meta).
 
     `meta` is what the kernel's backward needs besides the tensors (sequence offsets, lengths, rng state).
+    "flash-repeat" repeats K/V per query head first (for kernels without grouped-query support).
     """
     b, hkv, g, sq, d = q.shape
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
-        q.reshape(b, hkv * g, sq, d), _per_query_head(k, g), _per_query_head(v, g), 0.0, causal, False, scale=scale)
-    out, lse = res[0], res[1]
-    return out.reshape(b, hkv, g, sq, d), lse.reshape(b, hkv, g, sq), tuple(res[2:8])
+    q_flat = q.reshape(b, hkv * g, sq, d)
+    if kernel == "cudnn":  # dense inputs: the ring hands it row slices, and cuDNN is strict about layouts
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q_flat.contiguous(), k.contiguous(), v.contiguous(),
+                                                                   None, True, 0.0, causal, False, scale=scale)
+        meta = (res[2], res[3], res[4], res[5], res[6], res[7])  # cum_q, cum_k, max_q, max_k, seed, offset
+    else:
+        if kernel == "flash-repeat":
+            k, v = _per_query_head(k, g), _per_query_head(v, g)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q_flat, k, v, 0.0, causal, False, scale=scale)
+        meta = tuple(res[2:8])  # cum_q, cum_k, max_q, max_k, rng_state, unused
+    return res[0].reshape(b, hkv, g, sq, d), res[1].reshape(b, hkv, g, sq), meta
 
 
-def flash_block_backward(q, k, v, dout, out, lse, meta, causal: bool, scale: float):
-    """(dq, dk, dv) of one block on the flash kernel, given the final output and lse of q's rows."""
+def fused_block_backward(kernel: str, q, k, v, dout, out, lse, meta, causal: bool, scale: float):
+    """(dq (b, hkv, g, sq, d), dk, dv (b, hkv, sk, d)) of one block, given the final output and lse of q's rows."""
     b, hkv, g, sq, d = q.shape
-    sk = k.shape[2]
+    flat = (b, hkv * g, sq, d)
+    dout_f, q_f, out_f = dout.reshape(flat), q.reshape(flat), out.reshape(flat)
+    if kernel == "cudnn":
+        cum_q, cum_k, max_q, max_k, seed, offset = meta
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout_f.contiguous(), q_f.contiguous(), k.contiguous(), v.contiguous(), out_f.contiguous(),
+            lse.reshape(b, hkv * g, sq, 1).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal,
+            scale=scale)
+        return dq.reshape(q.shape), dk, dv
+    k_in, v_in = (_per_query_head(k, g), _per_query_head(v, g)) if kernel == "flash-repeat" else (k, v)
     cum_q, cum_k, max_q, max_k, rng_state, unused = meta
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.reshape(b, hkv * g, sq, d), q.reshape(b, hkv * g, sq, d), _per_query_head(k, g), _per_query_head(v, g),
-        out.reshape(b, hkv * g, sq, d), lse.reshape(b, hkv * g, sq).contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
+        dout_f, q_f, k_in, v_in, out_f, lse.reshape(b, hkv * g, sq).contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
         causal, rng_state, unused, scale=scale)
-    return (dq.reshape(b, hkv, g, sq, d), dk.reshape(b, hkv, g, sk, d).sum(dim=2),
-            dv.reshape(b, hkv, g, sk, d).sum(dim=2))
+    if kernel == "flash-repeat":
+        sk = k.shape[2]
+        dk, dv = dk.reshape(b, hkv, g, sk, d).sum(dim=2), dv.reshape(b, hkv, g, sk, d).sum(dim=2)
+    return dq.reshape(q.shape), dk, dv
 
 
-def _merge(out, lse, rows: slice, block_out, block_lse) -> None:
+def merge_block(out, lse, rows: slice, block_out, block_lse) -> None:
     """Fold one block's (output, lse) into the running result for query `rows`, in place (online softmax)."""
     old_out, old_lse = out[..., rows, :], lse[..., rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
@@ -142,15 +170,16 @@ def _merge(out, lse, rows: slice, block_out, block_lse) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, cp_rank: int, cp: int):
+    def forward(ctx, q, k, v, group, cp_rank: int, cp: int, kernel: str | None):
         """Attention output (b, hq, s, d) of the local queries over every rank's K/V blocks, merged by log-sum-exp."""
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         wide = wide_dtype(q.dtype)
         scale = 1.0 / math.sqrt(d)
-        flash = uses_flash_kernel(q)
+        kernel = kernel or fused_block_kernel(q) or "matmul"
+        fused = kernel != "matmul"
         q_grouped = q.reshape(b, hkv, hq // hkv, s, d)  # query heads grouped under their kv head
-        q_in = q_grouped if flash else q_grouped.to(wide)
+        q_in = q_grouped if fused else q_grouped.to(wide)
         out = q_grouped.new_zeros(q_grouped.shape, dtype=wide)
         lse = q_grouped.new_full(q_grouped.shape[:-1], float("-inf"), dtype=wide)
         metas = []
@@ -159,20 +188,20 @@ class _RingAttention(torch.autograd.Function):
             # Post the next hop's exchange first so it travels while this block is computed.
             pending = send_recv_next([k_cur, v_cur], group, async_op=True) if hop + 1 < cp else None
             rows, cols, causal = block_plan(cp_rank, (cp_rank - hop) % cp, cp, s)
-            if flash:
-                block_out, block_lse, meta = flash_block_forward(q_in[..., rows, :], k_cur[:, :, cols],
+            if fused:
+                block_out, block_lse, meta = fused_block_forward(kernel, q_in[..., rows, :], k_cur[:, :, cols],
                                                                  v_cur[:, :, cols], causal, scale)
                 metas.append(meta)
             else:
                 block_out, block_lse = block_forward(q_in[..., rows, :], k_cur[:, :, cols].to(wide),
                                                      v_cur[:, :, cols].to(wide), causal, scale)
-            _merge(out, lse, rows, block_out.to(wide), block_lse.to(wide))
+            merge_block(out, lse, rows, block_out.to(wide), block_lse.to(wide))
             if pending is not None:
                 k_cur, v_cur = pending.wait()
-        if flash:
-            out = out.to(q.dtype)  # the flash backward takes the output in the inputs' dtype
+        if fused:
+            out = out.to(q.dtype)  # the fused backward takes the output in the inputs' dtype
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.cp_rank, ctx.cp, ctx.scale, ctx.metas = group, cp_rank, cp, scale, metas
+        ctx.group, ctx.cp_rank, ctx.cp, ctx.scale, ctx.metas, ctx.kernel = group, cp_rank, cp, scale, metas, kernel
         return out.reshape(b, hq, s, d).to(q.dtype)
 
     @staticmethod
@@ -180,9 +209,9 @@ class _RingAttention(torch.autograd.Function):
         """Gradients of the local q, k, v; dK/dV travel around the ring with their blocks and return to the owner."""
         q, k, v, out, lse = ctx.saved_tensors
         group, cp_rank, cp, scale = ctx.group, ctx.cp_rank, ctx.cp, ctx.scale
-        flash = bool(ctx.metas)
+        fused = ctx.kernel != "matmul"
         wide = lse.dtype
-        if flash:
+        if fused:
             q_in, dout = q.reshape(out.shape), dout.reshape(out.shape).to(q.dtype)
         else:
             q_in, dout = q.reshape(out.shape).to(wide), dout.reshape(out.shape).to(wide)
@@ -193,9 +222,9 @@ class _RingAttention(torch.autograd.Function):
         for hop in range(cp):
             kv_pending = send_recv_next([k_cur, v_cur], group, async_op=True) if hop + 1 < cp else None
             rows, cols, causal = block_plan(cp_rank, (cp_rank - hop) % cp, cp, q.shape[2])
-            if flash:
-                block_dq, block_dk, block_dv = flash_block_backward(
-                    q_in[..., rows, :], k_cur[:, :, cols], v_cur[:, :, cols], dout[..., rows, :],
+            if fused:
+                block_dq, block_dk, block_dv = fused_block_backward(
+                    ctx.kernel, q_in[..., rows, :], k_cur[:, :, cols], v_cur[:, :, cols], dout[..., rows, :],
                     out[..., rows, :], lse[..., rows], ctx.metas[hop], causal, scale)
             else:
                 block_dq, block_dk, block_dv = block_backward(
@@ -214,18 +243,22 @@ class _RingAttention(torch.autograd.Function):
             if kv_pending is not None:
                 k_cur, v_cur = kv_pending.wait()
         dk, dv = dkv_pending.wait()  # after cp hops every accumulator is back at its owner
-        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp_rank: int, cp: int) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cp_rank: int, cp: int,
+                   kernel: str | None = None) -> torch.Tensor:
     """Exact causal attention of this rank's q (b, hq, s, d) over the whole sequence split across `group`.
 
     k and v are (b, hkv, s, d) with hq a multiple of hkv (grouped-query attention: query head h uses kv
-    head h // (hq / hkv)). `cp_rank` and `cp` are this rank's index in and the size of `group`.
+    head h // (hq / hkv)). `cp_rank` and `cp` are this rank's index in and the size of `group`. `kernel`
+    forces the block kernel ("matmul" or one of FUSED_KERNELS); by default `fused_block_kernel` picks.
     """
+    if kernel is not None and kernel not in ("matmul", *FUSED_KERNELS):
+        raise ValueError(f"ring attention kernel '{kernel}' is not one of matmul, {', '.join(FUSED_KERNELS)}")
     if q.shape[1] % k.shape[1] or k.shape != v.shape or q.shape[2] != k.shape[2]:
         raise ValueError(f"ring attention needs q (b, hq, s, d) and k, v (b, hkv, s, d) with hkv dividing hq; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[2] % 2:
         raise ValueError(f"the local sequence ({q.shape[2]}) must hold two equal chunks")
-    return _RingAttention.apply(q, k, v, group, cp_rank, cp)
+    return _RingAttention.apply(q, k, v, group, cp_rank, cp, kernel)
