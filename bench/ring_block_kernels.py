@@ -1,6 +1,6 @@
 """Ring attention's block kernels on one GPU: exactness of the cp-way decomposition and time per rank vs SDPA.
 
-    python bench/ring_block_kernels.py [--cp 2] [--seqs 32768,65536] [--kernels cudnn,flash,flash-repeat]
+    python bench/ring_block_kernels.py [--cp 2] [--seqs 32768,65536] [--kernels cudnn,flash]
 
 Context parallel needs several GPUs end to end; the part that decides its speed, the attention blocks
 each rank computes, runs here on one. For each fused block kernel this script replays what the ring does
@@ -161,7 +161,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--kernels", default="cudnn,flash,flash-repeat")
+    p.add_argument("--kernels", default="cudnn,flash")
     p.add_argument("--out", default="ring_block_kernels.json")
     args = p.parse_args()
     rows = []

@@ -1,9 +1,9 @@
-"""Check ring attention's flash-kernel path on GPUs: output and q/k/v gradients against one-device SDPA.
+"""Check ring attention's fused-kernel paths on GPUs: output and q/k/v gradients against one-device SDPA.
 
-    torchrun --standalone --nproc-per-node 2 bench/ring_flash_check.py [--seq 8192] [--dtype bf16]
+    torchrun --standalone --nproc-per-node 2 bench/ring_flash_check.py [--seq 8192] [--dtype bf16] [--kernel cudnn]
 
-The CPU tests check ring attention's matmul path in float64; the flash path (CUDA, bf16/fp16) can only run
-here. Every rank builds the same random q, k, v for the whole sequence (grouped-query heads), computes
+The CPU tests check ring attention's matmul path in float64; the fused paths (CUDA, bf16/fp16: cuDNN or
+FlashAttention-2, the GPU's default unless --kernel names one) can only run here. Every rank builds the same random q, k, v for the whole sequence (grouped-query heads), computes
 causal SDPA on it as the reference, then runs ring attention on its load-balanced chunks and compares its
 output and gradients with the matching rows of the reference. Prints the largest errors relative to the
 reference's largest magnitude, next to bf16 SDPA's own error against a float32 SDPA, and exits 1 if ring
@@ -20,13 +20,13 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 
 def main() -> None:
-    """Compare ring attention (flash blocks) with single-device SDPA on this rank's chunks."""
+    """Compare ring attention (fused blocks) with single-device SDPA on this rank's chunks."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from fourfold.parallel.context import shard_sequence
-    from fourfold.parallel.ring_attention import ring_attention, uses_flash_kernel
+    from fourfold.parallel.ring_attention import FUSED_KERNELS, fused_block_kernel, ring_attention
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=8192)
@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--kernel", choices=FUSED_KERNELS, help="the block kernel (default: the GPU's own choice)")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -53,8 +54,9 @@ def main() -> None:
 
     exact, half = reference(torch.float32), reference(dtype)
     local = [shard_sequence(t, 2, rank, cp).detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
-    assert uses_flash_kernel(local[0])
-    out = ring_attention(*local, dist.group.WORLD, rank, cp)
+    kernel = args.kernel or fused_block_kernel(local[0])
+    assert kernel is not None, "no fused block kernel for this GPU and dtype"
+    out = ring_attention(*local, dist.group.WORLD, rank, cp, kernel=kernel)
     (out.float() * shard_sequence(weight, 2, rank, cp)).sum().backward()
     ring = [out.float()] + [t.grad.float() for t in local]
     names = ("output", "dq", "dk", "dv")
@@ -68,7 +70,7 @@ def main() -> None:
         if rank == 0:
             print(f"{name:6s} ring {args.dtype} vs fp32 SDPA {err:.2e}   ({args.dtype} SDPA vs fp32 SDPA {err_sdpa:.2e})")
     if rank == 0:
-        print(f"cp={cp} seq={args.seq}: worst error ratio to {args.dtype} SDPA's own {worst:.2f} "
+        print(f"cp={cp} seq={args.seq} kernel={kernel}: worst error ratio to {args.dtype} SDPA's own {worst:.2f} "
               f"({'OK' if worst <= 4 else 'TOO LARGE'})")
     dist.destroy_process_group()
     sys.exit(0 if worst <= 4 else 1)

@@ -19,14 +19,17 @@ saved final log-sum-exp (the flash-attention recipe), keeps dQ local, and sends 
 the ring again together with their dK/dV accumulators, which arrive back at their owner after cp hops.
 Every hop's send/receive is posted before the hop's compute, so communication overlaps computation.
 
-Two block kernels, the same algorithm around them:
-- CUDA with bf16/fp16 inputs: torch's flash-attention kernel (`aten._scaled_dot_product_flash_attention`
-  and its backward, the ops behind SDPA) gives each block's output and log-sum-exp without materialising
-  the (s/cp)^2 score matrix; its backward is handed the *final* output and lse, so it computes the block's
-  share of the full gradient. K/V heads are repeated per query head for the kernel (GQA), and dK/dV summed
-  back over each group.
+Block kernels, the same algorithm around them:
+- CUDA with bf16/fp16 inputs: a fused attention kernel behind torch's SDPA gives each block's output and
+  log-sum-exp without materialising the (s/cp)^2 score matrix; its backward is handed the *final* output
+  and lse, so it computes the block's share of the full gradient. Both take grouped-query K/V as they are.
+  On Hopper and later it is cuDNN's (`aten._scaled_dot_product_cudnn_attention`, what SDPA itself picks
+  there): on an H200 one rank's blocks take 1.01-1.05x its share of whole-sequence SDPA, where
+  FlashAttention-2 (`aten._scaled_dot_product_flash_attention`, the choice on Ampere) takes 1.5x
+  (bench/ring_block_kernels.py).
 - everything else (CPU, float32/float64): plain matmul + softmax, one score block per hop, so the gloo
-  tests can check it in float64 (the fused path needs a GPU: bench/ring_flash_check.py checks it there).
+  tests can check it in float64 (the fused paths need a GPU: bench/ring_block_kernels.py checks them on
+  one, bench/ring_flash_check.py end to end on several).
 The loop has no host synchronisation (`.item()`).
 """
 
@@ -94,7 +97,7 @@ def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
     return dq, dk, dv
 
 
-FUSED_KERNELS = ("cudnn", "flash", "flash-repeat")
+FUSED_KERNELS = ("cudnn", "flash")
 
 
 def fused_block_kernel(q: torch.Tensor) -> str | None:
@@ -111,16 +114,10 @@ def fused_block_kernel(q: torch.Tensor) -> str | None:
     return "flash" if major >= 8 and q.shape[-1] <= 256 else None
 
 
-def _per_query_head(t: torch.Tensor, group: int) -> torch.Tensor:
-    """k or v (b, hkv, s, d) with each kv head repeated for its `group` query heads: (b, hkv * group, s, d)."""
-    return t.repeat_interleave(group, dim=1)
-
-
 def fused_block_forward(kernel: str, q, k, v, causal: bool, scale: float):
     """One block on a fused kernel: (output (b, hkv, g, sq, d) in q's dtype, lse float32 (b, hkv, g, sq), meta).
 
     `meta` is what the kernel's backward needs besides the tensors (sequence offsets, lengths, rng state).
-    "flash-repeat" repeats K/V per query head first (for kernels without grouped-query support).
     """
     b, hkv, g, sq, d = q.shape
     q_flat = q.reshape(b, hkv * g, sq, d)
@@ -129,8 +126,6 @@ def fused_block_forward(kernel: str, q, k, v, causal: bool, scale: float):
                                                                    None, True, 0.0, causal, False, scale=scale)
         meta = (res[2], res[3], res[4], res[5], res[6], res[7])  # cum_q, cum_k, max_q, max_k, seed, offset
     else:
-        if kernel == "flash-repeat":
-            k, v = _per_query_head(k, g), _per_query_head(v, g)
         res = torch.ops.aten._scaled_dot_product_flash_attention(q_flat, k, v, 0.0, causal, False, scale=scale)
         meta = tuple(res[2:8])  # cum_q, cum_k, max_q, max_k, rng_state, unused
     return res[0].reshape(b, hkv, g, sq, d), res[1].reshape(b, hkv, g, sq), meta
@@ -148,14 +143,10 @@ def fused_block_backward(kernel: str, q, k, v, dout, out, lse, meta, causal: boo
             lse.reshape(b, hkv * g, sq, 1).contiguous(), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal,
             scale=scale)
         return dq.reshape(q.shape), dk, dv
-    k_in, v_in = (_per_query_head(k, g), _per_query_head(v, g)) if kernel == "flash-repeat" else (k, v)
     cum_q, cum_k, max_q, max_k, rng_state, unused = meta
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout_f, q_f, k_in, v_in, out_f, lse.reshape(b, hkv * g, sq).contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
+        dout_f, q_f, k, v, out_f, lse.reshape(b, hkv * g, sq).contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
         causal, rng_state, unused, scale=scale)
-    if kernel == "flash-repeat":
-        sk = k.shape[2]
-        dk, dv = dk.reshape(b, hkv, g, sk, d).sum(dim=2), dv.reshape(b, hkv, g, sk, d).sum(dim=2)
     return dq.reshape(q.shape), dk, dv
 
 
