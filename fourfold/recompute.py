@@ -31,9 +31,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 aten = torch.ops.aten
 
-# Ops whose outputs selective recomputation keeps: the matmuls and the fused attention kernels.
+# Ops whose outputs selective recomputation keeps: the matmuls (float8 ones too) and the fused attention kernels.
 _SAVED_OPS = {
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._scaled_mm.default,
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,

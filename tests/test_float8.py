@@ -82,3 +82,16 @@ def test_float8_under_data_parallel_matches_one_process(tmp_path, layout):
     # Only the gradient summation order differs (measured: losses equal, gradient norms within 5e-7).
     assert losses(parallel) == pytest.approx(losses(single), rel=1e-5)
     assert grad_norms(parallel) == pytest.approx(grad_norms(single), rel=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_with_float8_gives_the_same_training(tmp_path, mode):
+    """Recomputed float8 matmuls recompute their scales from the same inputs: the same losses as without."""
+    runs = {}
+    for recompute in ("none", mode):
+        cfg = tiny_config(tmp_path, **{"train.precision": "bf16", "train.float8": True, "train.steps": 4,
+                                       "train.recompute": recompute})
+        train(cfg, tmp_path / recompute)
+        runs[recompute] = (losses(tmp_path / recompute), grad_norms(tmp_path / recompute))
+    assert runs[mode][0] == pytest.approx(runs["none"][0], rel=1e-6)
+    assert runs[mode][1] == pytest.approx(runs["none"][1], rel=1e-5)
