@@ -80,14 +80,19 @@ def report(row: dict) -> None:
         print("RESULT " + json.dumps(row), flush=True)
 
 
-def run_variant_process(script: str, name: str, nproc: int, extra_args: list[str], timeout: int = 900) -> dict:
-    """Run `script --one name` in a fresh process (under torchrun when nproc > 1); return its RESULT row."""
+def run_variant_process(script: str, name: str, nproc: int, extra_args: list[str], timeout: int = 900,
+                        extra_env: dict[str, str] | None = None) -> dict:
+    """Run `script --one name` in a fresh process (under torchrun when nproc > 1); return its RESULT row.
+
+    `extra_env` adds environment variables for that process alone (e.g. NCCL settings a variant tries).
+    """
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                script, "--one", name, *extra_args]
     else:
         cmd = [sys.executable, script, "--one", name, *extra_args]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = {**os.environ, **(extra_env or {}), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:

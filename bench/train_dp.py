@@ -21,7 +21,11 @@ sys.path[:0] = [BENCH, os.path.dirname(BENCH)]  # bench/ for common.py, the repo
 from common import figures, fourfold_step, print_table, report, run_variant_process, save, time_steps  # noqa: E402
 
 PEERS = {"fourfold-1gpu": "torch-1gpu", "fourfold-ddp": "torch-ddp", "fourfold-fsdp": "torch-fsdp2",
-         "fourfold-ddp-bucket100": "torch-ddp", "fourfold-ddp-bf16-reduce": "torch-ddp"}
+         "fourfold-ddp-bucket100": "torch-ddp", "fourfold-ddp-bf16-reduce": "torch-ddp",
+         "fourfold-ddp-nccl8ch": "torch-ddp"}
+# Variants that differ only in their environment: NCCL on at most 8 channels (fewer SMs taken from the
+# overlapped backward's matmuls, slower all-reduce), to measure how much of DDP's scaling loss is contention.
+VARIANT_ENV = {"fourfold-ddp-nccl8ch": {"NCCL_MAX_NCHANNELS": "8"}}
 
 
 def fourfold_layout(name: str, world: int) -> dict:
@@ -29,6 +33,7 @@ def fourfold_layout(name: str, world: int) -> dict:
     return {"fourfold-1gpu": {}, "fourfold-ddp": {"parallel.dp": world},
             "fourfold-ddp-bucket100": {"parallel.dp": world, "parallel.bucket_mb": 100},
             "fourfold-ddp-bf16-reduce": {"parallel.dp": world, "parallel.reduce_dtype": "bf16"},
+            "fourfold-ddp-nccl8ch": {"parallel.dp": world},
             "fourfold-fsdp": {"parallel.fsdp": world, "parallel.param_dtype": "bf16"}}[name]
 
 
@@ -106,7 +111,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="compile blocks in both fourfold and the peers")
     p.add_argument("--variants", default="torch-1gpu,fourfold-1gpu,torch-ddp,fourfold-ddp,torch-fsdp2,fourfold-fsdp",
-                   help="also: fourfold-ddp-bucket100, fourfold-ddp-bf16-reduce (bf16 gradient all-reduce)")
+                   help="also: fourfold-ddp-bucket100, fourfold-ddp-bf16-reduce (bf16 gradient all-reduce), "
+                        "fourfold-ddp-nccl8ch (NCCL_MAX_NCHANNELS=8)")
     p.add_argument("--out", default="train_dp.json")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -121,7 +127,7 @@ def main() -> None:
     plan = [(name, 1 if name.endswith("-1gpu") else args.gpus) for name in chosen]
     rows = []
     for name, n in plan:
-        rows.append(run_variant_process(__file__, name, n, common))
+        rows.append(run_variant_process(__file__, name, n, common, extra_env=VARIANT_ENV.get(name)))
         print(rows[-1], flush=True)
     one = {r["variant"]: r for r in rows if "error" not in r}
     for r in rows:
