@@ -89,6 +89,7 @@ def check(kernel: str, args) -> dict:
     weight = torch.randn(shape_q, device="cuda", generator=gen)
 
     def reference(dtype):
+        """Causal SDPA over the whole sequence in `dtype`: [out, dq, dk, dv] in float32."""
         leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
         (out.float() * weight).sum().backward()
@@ -135,6 +136,7 @@ def timing(kernel: str, seq: int, args) -> dict:
     dout = torch.randn_like(q_local)
 
     def ring_step():
+        """Rank 0's blocks, forward then backward."""
         out, lse, hops, scale = ring_blocks(kernel, q_local, kv_locals, 0, cp)
         ring_backward(kernel, q_local, kv_locals, dout, out, lse, hops, scale)
 
@@ -143,6 +145,7 @@ def timing(kernel: str, seq: int, args) -> dict:
     grad = torch.randn_like(q)
 
     def sdpa_step():
+        """Whole-sequence causal SDPA, forward then backward."""
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
 
     sdpa_ms = do_bench(sdpa_step, warmup=50, rep=300, return_mode="median")
