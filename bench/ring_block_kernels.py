@@ -69,7 +69,9 @@ def ring_backward(kernel: str, q_local, kv_locals, dout_local, out, lse, hops, s
         bdq, bdk, bdv = fused_block_backward(kernel, q[..., rows, :], k[:, :, cols], v[:, :, cols], dout[..., rows, :],
                                              out[..., rows, :], lse[..., rows], meta, causal, scale)
         dq[..., rows, :] += bdq.float()
-        dk, dv = dkv.setdefault(owner, (torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)))
+        if owner not in dkv:  # float32 accumulators, one pair per owner (allocated once, not every hop)
+            dkv[owner] = (torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device))
+        dk, dv = dkv[owner]
         dk[:, :, cols] += bdk.float()
         dv[:, :, cols] += bdv.float()
     return dq.reshape(q_local.shape), dkv
@@ -93,13 +95,14 @@ def check(kernel: str, args) -> dict:
         leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
         (out.float() * weight).sum().backward()
-        return [out.float()] + [t.grad.float() for t in leaves]
+        return [out.detach().float()] + [t.grad.float() for t in leaves]
 
     exact, half = reference(torch.float32), reference(torch.bfloat16)
     local = lambda t, r: shard_sequence(t, 2, r, cp).to(torch.bfloat16).contiguous()  # noqa: E731
     kv_locals = [(local(k, r), local(v, r)) for r in range(cp)]
-    outs, dqs, dks, dvs = [], [], [torch.zeros_like(kv_locals[0][0], dtype=torch.float32) for _ in range(cp)], \
-        [torch.zeros_like(kv_locals[0][0], dtype=torch.float32) for _ in range(cp)]
+    outs, dqs = [], []
+    dks = [torch.zeros_like(kv_locals[0][0], dtype=torch.float32) for _ in range(cp)]
+    dvs = [torch.zeros_like(kv_locals[0][0], dtype=torch.float32) for _ in range(cp)]
     for r in range(cp):
         q_r = local(q, r)
         out, lse, hops, scale = ring_blocks(kernel, q_r, kv_locals, r, cp)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from fourfold.models.llama import Llama
 from fourfold.parallel.apply import parallelize
 from fourfold.parallel.data import DataParallel
 from fourfold.train.trainer import train
-from tests.trainer_helpers import grad_norms, losses, tiny_config
+from tests.trainer_helpers import grad_norms, losses, tiny_config, train_on_rank
 
 torchao = pytest.importorskip("torchao")  # the test extra installs it; the float8 extra is optional for users
 
@@ -64,20 +63,15 @@ def test_missing_torchao_is_a_clear_error(tmp_path, monkeypatch):
         validate_layout(cfg, 1)
 
 
-def _float8_rank(rank: int, world: int, tmp: str, overrides: dict) -> None:
-    cfg = tiny_config(Path(tmp), **{"train.precision": "bf16", "train.float8": True, "train.steps": 5, **overrides})
-    train(cfg, Path(tmp) / "parallel")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"parallel.dp": 2}, {"parallel.fsdp": 2}], ids=["ddp2", "fsdp2"])
 def test_float8_under_data_parallel_matches_one_process(tmp_path, layout):
     """DDP and FSDP2 (weights all-gathered before the float8 cast) train like one float8 process."""
     from tests.distributed.launcher import run_ranks
 
-    train(tiny_config(tmp_path, **{"train.precision": "bf16", "train.float8": True, "train.steps": 5}),
-          tmp_path / "single")
-    run_ranks(_float8_rank, 2, args=(str(tmp_path), layout))
+    float8 = {"train.precision": "bf16", "train.float8": True, "train.steps": 5}
+    train(tiny_config(tmp_path, **float8), tmp_path / "single")
+    run_ranks(train_on_rank, 2, args=(str(tmp_path), {**float8, **layout}, "parallel"))
     single, parallel = tmp_path / "single", tmp_path / "parallel"
     # Only the gradient summation order differs (measured: losses equal, gradient norms within 5e-7).
     assert losses(parallel) == pytest.approx(losses(single), rel=1e-5)

@@ -39,6 +39,13 @@ def tiny_config(tmp: Path, **overrides):
     return build_config({}, flat)
 
 
+def train_on_rank(rank: int, world: int, tmp: str, overrides: dict, run: str) -> None:
+    """A `run_ranks` target: every rank trains the tiny config with `overrides` into tmp/run."""
+    from fourfold.train.trainer import train
+
+    train(tiny_config(Path(tmp), **overrides), Path(tmp) / run)
+
+
 def losses(run_dir: Path) -> list[float]:
     """The training loss of every logged step, in order."""
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]

@@ -45,13 +45,10 @@ def check_float8_device(model: nn.Module) -> None:
                               f"this GPU is {major}.{minor}. Set --train.float8 false.")
 
 
-def apply_float8(model: nn.Module) -> list[str]:
-    """Swap the qualifying linears of `model` for torchao Float8Linear in place; return their names."""
+def apply_float8(model: nn.Module) -> None:
+    """Swap the qualifying linears of `model` (`converts_to_float8`) for torchao Float8Linear in place."""
     require_torchao()
     check_float8_device(model)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    converted = [name for name, mod in model.named_modules() if converts_to_float8(mod, name)]
-    convert_to_float8_training(model, config=Float8LinearConfig(),
-                               module_filter_fn=lambda mod, name: converts_to_float8(mod, name))
-    return converted
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=converts_to_float8)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.launcher import run_ranks
-from tests.trainer_helpers import final_weights, grad_norms, losses, tiny_config
+from tests.trainer_helpers import final_weights, grad_norms, losses, tiny_config, train_on_rank
 
 STEPS = 5
 DP2 = {"parallel.dp": 2, "parallel.bucket_mb": 0.05}  # small buckets: several per step, so counts mean something
@@ -164,14 +164,6 @@ def test_sum_without_dividing_is_seen_plainly_in_the_gradient_norm(runs):
     assert first == pytest.approx(ref["losses"][0], rel=1e-12)  # the first loss precedes any update
 
 
-def _train_dp2(rank: int, world: int, tmp: str, run: str, reduce_dtype: str) -> None:
-    from fourfold.train.trainer import train
-
-    cfg = tiny_config(Path(tmp), **{"train.precision": "fp32", "train.steps": 3, "parallel.dp": 2,
-                                    "parallel.reduce_dtype": reduce_dtype})
-    train(cfg, Path(tmp) / run)
-
-
 @pytest.mark.slow
 def test_ddp_bf16_gradient_reduction_is_active_and_close(tmp_path):
     """parallel.reduce_dtype bf16 under DDP: the all-reduce runs in bf16 (gradient norms move by bf16 rounding,
@@ -180,7 +172,8 @@ def test_ddp_bf16_gradient_reduction_is_active_and_close(tmp_path):
 
     train(tiny_config(tmp_path, **{"train.precision": "fp32", "train.steps": 3}), tmp_path / "single")
     for dtype in ("fp32", "bf16"):
-        run_ranks(_train_dp2, 2, args=(str(tmp_path), dtype, dtype))
+        dp2 = {"train.precision": "fp32", "train.steps": 3, "parallel.dp": 2, "parallel.reduce_dtype": dtype}
+        run_ranks(train_on_rank, 2, args=(str(tmp_path), dp2, dtype))
     ref = torch.tensor(grad_norms(tmp_path / "single"))
     err = {d: float(((torch.tensor(grad_norms(tmp_path / d)) - ref).abs() / ref).max()) for d in ("fp32", "bf16")}
     assert err["fp32"] < 1e-5, err

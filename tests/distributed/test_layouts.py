@@ -7,13 +7,11 @@ final checkpoint, gathered to full tensors by name) must equal the single-proces
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.distributed.launcher import run_ranks
-from tests.trainer_helpers import final_weights, grad_norms, losses, tiny_config
+from tests.trainer_helpers import final_weights, grad_norms, losses, tiny_config, train_on_rank
 
 STEPS = 5
 # name -> (ranks, overrides). The base config: 4 layers, 4 heads, 2 kv heads, global batch 8, micro 2.
@@ -52,13 +50,6 @@ LAYOUTS = {
 FAST = {"dp2", "fsdp2", "tp2-sp", "cp2", "pp2-1f1b"}
 
 
-def _train_rank(rank: int, world: int, tmp: str, overrides: dict, run: str) -> None:
-    from fourfold.train.trainer import train
-
-    cfg = tiny_config(Path(tmp), **{"train.precision": "fp64", "train.steps": STEPS, **overrides})
-    train(cfg, Path(tmp) / run)
-
-
 MODEL_KEYS = ("model.",)
 
 
@@ -86,7 +77,7 @@ def references(tmp_path_factory):
 def test_layout_matches_single_process(name, references):
     ranks, overrides = LAYOUTS[name]
     tmp, ref_losses, ref_norms, ref_weights = references(overrides)
-    run_ranks(_train_rank, ranks, args=(str(tmp), overrides, name))
+    run_ranks(train_on_rank, ranks, args=(str(tmp), {"train.precision": "fp64", "train.steps": STEPS, **overrides}, name))
     got_losses = losses(tmp / name)
     assert len(got_losses) == STEPS
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(ref_losses), rtol=1e-9, atol=1e-12)
