@@ -26,8 +26,8 @@ def fourfold_step(preset: str, micro_batch: int, seq: int, overrides: dict, glob
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     flat = {"model.preset": preset, "train.seq_len": str(seq), "train.micro_batch": str(micro_batch),
-            "train.global_batch": str(global_batch or micro_batch * world), "train.precision": "bf16",
-            "train.device": "cuda", "train.lr": "1e-4", "train.val_every": "0", "checkpoint.every": "0",
+            "train.global_batch": str(global_batch or micro_batch * world), "compute.precision": "bf16",
+            "compute.device": "cuda", "optim.lr": "1e-4", "train.val_every": "0", "checkpoint.every": "0",
             "checkpoint.save_final": "false", "log.progress": "false", "data.max_bytes": "8000000"}
     flat.update({k: str(v) for k, v in overrides.items()})
     cfg = build_config({}, flat)

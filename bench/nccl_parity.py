@@ -27,7 +27,7 @@ LAYOUTS = {
 }
 BASE = ["--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.ffn_dim", "128", "--model.max_seq_len", "128", "--train.seq_len", "64", "--train.steps", "5",
-        "--train.global_batch", "8", "--train.micro_batch", "2", "--train.precision", "fp64", "--train.device", "cuda",
+        "--train.global_batch", "8", "--train.micro_batch", "2", "--compute.precision", "fp64", "--compute.device", "cuda",
         "--train.val_every", "0", "--log.every", "1", "--log.progress", "false", "--data.max_bytes", "300000"]
 
 

@@ -52,7 +52,7 @@ def run_group(vpp: int, schedules: list[str], args) -> None:
         for m in [int(x) for x in args.micro_batches.split(",")]:
             if schedule == "interleaved-1f1b" and m % 2:
                 continue
-            ex = PipelineExecutor(trainer.chunks, schedule, trainer.mesh.local_rank("pp"), 2, vpp, m,
+            ex = PipelineExecutor(trainer.chunks, schedule, trainer.mesh.coord("pp"), 2, vpp, m,
                                   trainer.mesh.group("pp"), trainer.ctx.loss_fn, trainer.device, torch.float32,
                                   autocast=trainer.precision.autocast,
                                   activation_shape=(args.micro_batch, args.seq, cfg.model.dim))

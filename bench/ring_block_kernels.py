@@ -4,7 +4,7 @@
 
 Context parallel needs several GPUs end to end; the part that decides its speed, the attention blocks
 each rank computes, runs here on one. For each fused block kernel this script replays what the ring does
-on every rank (fourfold.parallel.ring_attention's `block_plan`, `merge_block`, the kernels' forward and
+on every rank (fourfold.parallel.ring_attention's `hop_blocks`, `merge_block`, the kernels' forward and
 their backward given the final output and lse), with the K/V blocks read directly instead of passed
 around the ring:
 1. exactness: the merged output and the q/k/v gradients against float32 causal SDPA over the whole
@@ -32,7 +32,7 @@ def ring_blocks(kernel: str, q_local, kv_locals, rank: int, cp: int):
     """
     import torch
 
-    from fourfold.parallel.ring_attention import block_plan, fused_block_forward, merge_block
+    from fourfold.parallel.ring_attention import hop_blocks, fused_block_forward, merge_block
 
     b, hq, s, d = q_local.shape
     hkv = kv_locals[0][0].shape[1]
@@ -43,7 +43,7 @@ def ring_blocks(kernel: str, q_local, kv_locals, rank: int, cp: int):
     hops = []
     for hop in range(cp):
         owner = (rank - hop) % cp
-        rows, cols, causal = block_plan(rank, owner, cp, s)
+        rows, cols, causal = hop_blocks(rank, owner, cp, s)
         k, v = kv_locals[owner]
         block_out, block_lse, meta = fused_block_forward(kernel, q[..., rows, :], k[:, :, cols], v[:, :, cols],
                                                          causal, scale)

@@ -90,7 +90,7 @@ def torch_step(kind: str, preset: str, micro_batch: int, seq: int, compile_block
 def run_one(name: str, args) -> None:
     """Time one variant in this process (every torchrun rank) and report its row."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    compiled = {"train.compile": "true"} if args.compile else {}
+    compiled = {"compute.compile": "true"} if args.compile else {}
     if name.startswith("fourfold"):
         step, cfg, _ = fourfold_step(args.preset, args.micro_batch, args.seq, {**fourfold_layout(name, world), **compiled})
     else:

@@ -28,7 +28,7 @@ def variants(long_seqs: list[int], micro_batch: int, seq: int) -> dict:
         f"tp2-nosp-s{seq}": ({"parallel.tp": 2, "parallel.sequence_parallel": False}, micro_batch, seq, micro_batch),
     }
     for s in long_seqs:
-        common = {"train.recompute": "full", "model.max_seq_len": s}
+        common = {"compute.recompute": "full", "model.max_seq_len": s}
         out[f"fsdp2-s{s}"] = ({**common, "parallel.fsdp": 2}, 1, s, 2)
         out[f"cp2-ring-s{s}"] = ({**common, "parallel.cp": 2}, 1, s, 1)
         out[f"cp2-allgather-s{s}"] = ({**common, "parallel.cp": 2, "parallel.cp_method": "allgather"}, 1, s, 1)
@@ -41,7 +41,7 @@ def run_one(name: str, args) -> None:
 
     overrides, mb, seq, global_batch = variants(args.long, args.micro_batch, args.seq)[name]
     try:
-        step, cfg, _ = fourfold_step(args.preset, mb, seq, {**overrides, "train.compile": str(args.compile).lower()},
+        step, cfg, _ = fourfold_step(args.preset, mb, seq, {**overrides, "compute.compile": str(args.compile).lower()},
                                      global_batch=global_batch)
         sec, loss = time_steps(step, args.warmup, args.steps)
     except torch.OutOfMemoryError:

@@ -111,7 +111,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    """The [train] section: batch, optimizer, schedule, precision, device and validation of the run."""
+    """The [train] section: how long to train, on which batches, and how often to validate."""
 
     steps: int = 200
     """Optimizer steps."""
@@ -121,6 +121,18 @@ class TrainConfig:
     """Sequences per forward per data-parallel rank; gradient accumulation is derived."""
     seq_len: int = 128
     """Tokens per sequence."""
+    seed: int = 1234
+    """Seed for initialisation and data order."""
+    val_every: int = 50
+    """Steps between validation passes; 0 disables."""
+    val_batches: int = 4
+    """Micro-batches per validation pass."""
+
+
+@dataclass
+class OptimConfig:
+    """The [optim] section: AdamW, gradient clipping and the warmup + cosine learning-rate schedule."""
+
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -137,8 +149,14 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables."""
-    seed: int = 1234
-    """Seed for initialisation and data order."""
+
+
+@dataclass
+class ComputeConfig:
+    """The [compute] section: the device, numeric precision, compilation and activation recomputation."""
+
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights), fp16 (autocast with dynamic loss scaling), or fp64 (parity tests)."""
     compile: bool = False
@@ -153,15 +171,15 @@ class TrainConfig:
     """Activation recomputation: none, full, selective or every-N (e.g. every-2)."""
     loss_chunk: int = 0
     """Tokens per chunk of the cross-entropy (bounds fp32 logits memory); 0 computes it in one piece."""
+
+
+@dataclass
+class QuantConfig:
+    """The [quant] section: low-precision training schemes."""
+
     float8: bool = False
     """float8 matmuls for the transformer blocks' linear layers (torchao, dynamic tensorwise scaling); needs
-    precision bf16, tp 1 and, on GPUs, compute capability 8.9+ (Hopper, Ada). See fourfold/ops/float8.py."""
-    device: str = "auto"
-    """auto (cuda when available), cpu or cuda."""
-    val_every: int = 50
-    """Steps between validation passes; 0 disables."""
-    val_batches: int = 4
-    """Micro-batches per validation pass."""
+    compute.precision bf16, tp 1 and, on GPUs, compute capability 8.9+ (Hopper, Ada). See fourfold/quant/float8.py."""
 
 
 @dataclass
@@ -213,6 +231,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -258,7 +279,21 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     return value
 
 
+# Keys that moved out of [train] when it was split by what users set together (fourfold 0.2).
+MOVED_KEYS = {
+    **{f"train.{k}": f"optim.{k}" for k in ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1",
+                                            "beta2", "eps", "grad_clip")},
+    **{f"train.{k}": f"compute.{k}" for k in ("device", "precision", "compile", "compile_scope",
+                                              "compile_memory_budget", "recompute", "loss_chunk")},
+    "train.float8": "quant.float8",
+}
+
+
 def _split_key(dotted: str) -> tuple[str, str]:
+    if dotted in MOVED_KEYS:
+        raise ConfigError(f"'{dotted}' is now '{MOVED_KEYS[dotted]}' (the [train] section was split into [train], "
+                          f"[optim], [compute] and [quant]); write --{MOVED_KEYS[dotted]}, or move the key to "
+                          f"the [{MOVED_KEYS[dotted].split('.')[0]}] table of the config file.")
     parts = dotted.split(".")
     if len(parts) != 2:
         raise ConfigError(f"'{dotted}' is not a config key: keys look like section.name, e.g. train.steps.")
@@ -353,7 +388,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 def validate(cfg: Config) -> None:
     """Check values and combinations that need no world size; layout checks live in fourfold.mesh."""
-    m, t = cfg.model, cfg.train
+    m, t, c = cfg.model, cfg.train, cfg.compute
     _positive(cfg, ["model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
                     "model.vocab_size", "model.max_seq_len", "train.steps", "train.global_batch",
                     "train.micro_batch", "train.seq_len", "parallel.dp", "parallel.fsdp", "parallel.tp",
@@ -368,21 +403,21 @@ def validate(cfg: Config) -> None:
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
                           "lower train.seq_len or raise model.max_seq_len.")
-    if t.precision not in TRAIN_PRECISIONS:
-        raise ConfigError(f"train.precision '{t.precision}' is not one of {', '.join(TRAIN_PRECISIONS)}."
-                          f"{closest(t.precision, TRAIN_PRECISIONS)}")
-    if t.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device '{t.device}' is not one of auto, cpu, cuda.")
-    if not 0 < t.compile_memory_budget <= 1:
-        raise ConfigError(f"train.compile_memory_budget ({t.compile_memory_budget}) must be in (0, 1].")
-    if t.compile_scope not in ("blocks", "model"):
-        raise ConfigError(f"train.compile_scope '{t.compile_scope}' is not one of blocks, model.")
-    if t.float8 and t.precision != "bf16":
-        raise ConfigError(f"train.float8 runs the block matmuls in float8 around a bf16 model; it needs "
-                          f"--train.precision bf16 (got {t.precision}), or set --train.float8 false.")
-    rc = t.recompute
+    if c.precision not in TRAIN_PRECISIONS:
+        raise ConfigError(f"compute.precision '{c.precision}' is not one of {', '.join(TRAIN_PRECISIONS)}."
+                          f"{closest(c.precision, TRAIN_PRECISIONS)}")
+    if c.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"compute.device '{c.device}' is not one of auto, cpu, cuda.")
+    if not 0 < c.compile_memory_budget <= 1:
+        raise ConfigError(f"compute.compile_memory_budget ({c.compile_memory_budget}) must be in (0, 1].")
+    if c.compile_scope not in ("blocks", "model"):
+        raise ConfigError(f"compute.compile_scope '{c.compile_scope}' is not one of blocks, model.")
+    if cfg.quant.float8 and c.precision != "bf16":
+        raise ConfigError(f"quant.float8 runs the block matmuls in float8 around a bf16 model; it needs "
+                          f"--compute.precision bf16 (got {c.precision}), or set --quant.float8 false.")
+    rc = c.recompute
     if not (rc in ("none", "full", "selective") or (rc.startswith("every-") and rc[6:].isdigit() and int(rc[6:]) > 0)):
-        raise ConfigError(f"train.recompute '{rc}' is not one of none, full, selective, every-N (N >= 1).")
+        raise ConfigError(f"compute.recompute '{rc}' is not one of none, full, selective, every-N (N >= 1).")
     if cfg.parallel.pp_schedule not in PP_SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule '{cfg.parallel.pp_schedule}' is not one of "
                           f"{', '.join(PP_SCHEDULES)}.{closest(cfg.parallel.pp_schedule, PP_SCHEDULES)}")

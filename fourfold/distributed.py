@@ -35,7 +35,7 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError("train.device is 'cuda' but this machine has no usable CUDA GPU; use --train.device cpu.")
+        raise ConfigError("compute.device is 'cuda' but this machine has no usable CUDA GPU; use --compute.device cpu.")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

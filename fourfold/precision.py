@@ -32,8 +32,8 @@ class PrecisionPolicy:
 
     @classmethod
     def from_config(cls, cfg: Config, device: torch.device) -> "PrecisionPolicy":
-        """The policy for the config's train.precision and parallel dtypes on `device`."""
-        mode = cfg.train.precision
+        """The policy for the config's compute.precision and parallel dtypes on `device`."""
+        mode = cfg.compute.precision
         return cls(device.type, DTYPES[mode] if mode in ("bf16", "fp16") else None,
                    DTYPES[cfg.parallel.param_dtype], DTYPES[cfg.parallel.reduce_dtype])
 

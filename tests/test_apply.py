@@ -1,4 +1,4 @@
-"""What `parallelize` compiles on one process: each block (train.compile_scope blocks) or the whole forward (model)."""
+"""What `parallelize` compiles on one process: each block (compute.compile_scope blocks) or the whole forward (model)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from fourfold.mesh import ParallelMesh
 from fourfold.models.llama import Llama
 from fourfold.parallel.apply import parallelize
-from fourfold.parallel.data import DataParallel
+from fourfold.parallel.data_parallel import DataParallel
 from tests.trainer_helpers import tiny_config
 
 
@@ -19,7 +19,7 @@ def _compiled(module: torch.nn.Module) -> bool:
 
 @pytest.mark.parametrize("scope", ["blocks", "model"])
 def test_compile_scope_chooses_what_is_compiled(scope, tmp_path):
-    cfg = tiny_config(tmp_path, **{"train.compile": True, "train.compile_scope": scope})
+    cfg = tiny_config(tmp_path, **{"compute.compile": True, "compute.compile_scope": scope})
     model = Llama(cfg.model)
     names = [n for n, _ in model.named_parameters()]
     model = parallelize(model, ParallelMesh.build(cfg), cfg, DataParallel(None, cfg, torch.device("cpu")))

@@ -16,8 +16,8 @@ import torch
 from fourfold.cli import main
 from fourfold.errors import CheckpointError
 from fourfold.models.llama import Llama
-from fourfold.train import checkpoint as ckpt_mod
-from fourfold.train.checkpoint import latest_checkpoint, list_checkpoints, resolve_resume
+from fourfold.checkpoint import store as ckpt_mod
+from fourfold.checkpoint.store import latest_checkpoint, list_checkpoints, resolve_resume
 from fourfold.train.metrics import read_metrics
 from fourfold.train.trainer import Trainer, train
 from tests.distributed.launcher import run_ranks
@@ -27,7 +27,7 @@ STEPS = 4
 
 
 def _cfg(tmp: Path, **extra):
-    return tiny_config(tmp, **{"train.precision": "fp64", "train.steps": STEPS, **extra})
+    return tiny_config(tmp, **{"compute.precision": "fp64", "train.steps": STEPS, **extra})
 
 
 def _losses_by_step(run_dir: Path) -> dict[int, float]:
@@ -196,9 +196,9 @@ def test_damaged_checkpoint_gives_a_clear_error(name, saved_run, tmp_path, capsy
     argv = ["train", "--out", str(run), "--resume", str(ckpt), "--sample", ""]
     for key, value in (("data.path", cfg.data.path), ("data.cache_dir", cfg.data.cache_dir), ("train.steps", 2),
                        ("train.seq_len", 16), ("train.global_batch", 8), ("train.micro_batch", 2),
-                       ("train.device", "cpu"), ("log.progress", "false"), ("model.dim", 32), ("model.n_layers", 4),
+                       ("compute.device", "cpu"), ("log.progress", "false"), ("model.dim", 32), ("model.n_layers", 4),
                        ("model.n_heads", 4), ("model.n_kv_heads", 2), ("model.ffn_dim", 64),
-                       ("model.vocab_size", 320), ("model.max_seq_len", 64), ("train.precision", "fp64")):
+                       ("model.vocab_size", 320), ("model.max_seq_len", 64), ("compute.precision", "fp64")):
         argv += [f"--{key}", str(value)]
     capsys.readouterr()
     assert main(argv) == 2

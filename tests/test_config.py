@@ -11,8 +11,8 @@ from fourfold.errors import ConfigError
 def test_toml_and_overrides(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[model]\npreset = "tiny"\n[train]\nsteps = 7\n')
-    cfg = load_config(path, ["--train.steps", "11", "--model.dim=256", "--train.compile", "true"])
-    assert cfg.train.steps == 11 and cfg.model.dim == 256 and cfg.train.compile is True
+    cfg = load_config(path, ["--train.steps", "11", "--model.dim=256", "--compute.compile", "true"])
+    assert cfg.train.steps == 11 and cfg.model.dim == 256 and cfg.compute.compile is True
     assert cfg.model.n_layers == 4  # from the preset
 
 
@@ -25,14 +25,14 @@ def test_preset_fills_and_explicit_keys_win():
     ({"train.stepz": "3"}, ["train.stepz", "Did you mean 'train.steps'"]),
     ({"trian.steps": "3"}, ["Did you mean 'train'"]),
     ({"train.steps": "many"}, ["train.steps", "int"]),
-    ({"train.compile": "maybe"}, ["train.compile", "true or false"]),
+    ({"compute.compile": "maybe"}, ["compute.compile", "true or false"]),
     ({"model.preset": "llama3-8"}, ["Did you mean 'llama3-8b'"]),
-    ({"train.precision": "bf15"}, ["bf16"]),
+    ({"compute.precision": "bf15"}, ["bf16"]),
     ({"model.n_heads": "3"}, ["model.dim", "n_heads"]),
     ({"model.n_kv_heads": "3"}, ["n_kv_heads"]),
     ({"train.seq_len": "4096"}, ["max_seq_len"]),
-    ({"train.recompute": "sometimes"}, ["every-N"]),
-    ({"train.compile_scope": "layers"}, ["train.compile_scope", "blocks, model"]),
+    ({"compute.recompute": "sometimes"}, ["every-N"]),
+    ({"compute.compile_scope": "layers"}, ["compute.compile_scope", "blocks, model"]),
     ({"parallel.pp_schedule": "1f1c"}, ["Did you mean '1f1b'"]),
 ])
 def test_bad_input_names_the_key(overrides, words):

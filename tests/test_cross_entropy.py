@@ -40,12 +40,12 @@ def test_bfloat16_logits_are_reduced_in_float32():
 
 
 def test_compiled_training_loss_matches_the_eager_one(tmp_path):
-    """train.compile compiles the plain cross-entropy (inductor on CPU): same value and gradient, logits' dtype kept."""
+    """compute.compile compiles the plain cross-entropy (inductor on CPU): same value and gradient, logits' dtype kept."""
     from fourfold.config import build_config
     from fourfold.mesh import ParallelMesh
     from fourfold.train.losses import build_loss
 
-    cfg = build_config({}, {"train.compile": "true", "train.device": "cpu"})
+    cfg = build_config({}, {"compute.compile": "true", "compute.device": "cpu"})
     loss_fn, _ = build_loss(cfg, ParallelMesh.build(cfg))
     assert loss_fn is not cross_entropy and hasattr(loss_fn, "_torchdynamo_orig_callable")  # really compiled
     gen = torch.Generator().manual_seed(3)

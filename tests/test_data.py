@@ -18,10 +18,10 @@ import torch
 
 from fourfold.config import DataConfig, build_config
 from fourfold.errors import ConfigError
-from fourfold.train import data as data_mod
-from fourfold.train.data import (GlobalBatchSampler, PackedSequences, TrainBatches, build_data, source_files,
+from fourfold.train import dataset as data_mod
+from fourfold.train.dataset import (GlobalBatchSampler, PackedSequences, TrainBatches, build_data, source_files,
                                  token_file, validation_batches)
-from fourfold.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from fourfold.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 SENTENCES = ["def add(a, b): return a + b", "class Point: pass", "the quick brown fox jumps over the lazy dog",
              "print('hello world')", "for i in range(10): total += i"]

@@ -51,7 +51,7 @@ def _measured_saved(trainer: Trainer) -> int:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp64"])
 def test_parameters_gradients_and_optimizer_state_are_exact(tmp_path, precision):
-    trainer = _trainer(tmp_path, precision, **{"train.precision": precision})
+    trainer = _trainer(tmp_path, precision, **{"compute.precision": precision})
     seen = {}
     zero_grad = trainer.optimizer.zero_grad
 
@@ -80,7 +80,7 @@ def test_parameters_gradients_and_optimizer_state_are_exact(tmp_path, precision)
 def test_activations_match_saved_bytes_for_every_recompute_mode(tmp_path, precision):
     measured, predicted = {}, {}
     for mode in MODES:
-        trainer = _trainer(tmp_path, f"{precision}-{mode}", **{"train.precision": precision, "train.recompute": mode})
+        trainer = _trainer(tmp_path, f"{precision}-{mode}", **{"compute.precision": precision, "compute.recompute": mode})
         measured[mode] = _measured_saved(trainer)
         est = estimate_memory(trainer.cfg, 1)
         predicted[mode] = est.saved_for_backward
@@ -99,22 +99,22 @@ def test_activations_match_saved_bytes_for_every_recompute_mode(tmp_path, precis
 
 
 @pytest.mark.parametrize("overrides", [
-    {"train.loss_chunk": 16},
-    {"train.precision": "bf16", "train.loss_chunk": 24, "train.recompute": "every-3"},
-    {"train.precision": "fp64", "train.recompute": "selective"},
+    {"compute.loss_chunk": 16},
+    {"compute.precision": "bf16", "compute.loss_chunk": 24, "compute.recompute": "every-3"},
+    {"compute.precision": "fp64", "compute.recompute": "selective"},
     {"model.tie_embeddings": True, "model.dim": 96, "model.n_heads": 6, "model.ffn_dim": 200, "train.seq_len": 27,
      "train.micro_batch": 3, "model.vocab_size": 101},
 ])
 def test_prediction_is_exact_for_other_shapes_precisions_and_losses(overrides):
-    cfg = build_config({}, {**SMALL, "model.vocab_size": 96, "train.device": "cpu", "train.global_batch": 3,
+    cfg = build_config({}, {**SMALL, "model.vocab_size": 96, "compute.device": "cpu", "train.global_batch": 3,
                             "train.micro_batch": 3, **overrides})
     assert estimate_memory(cfg, 1).saved_for_backward == measure_saved_activations(cfg)
 
 
 def test_chunked_loss_keeps_one_logits_sized_gradient_instead_of_fp32_log_probs():
-    base = {**SMALL, "model.vocab_size": 4096, "train.device": "cpu", "train.precision": "bf16"}
+    base = {**SMALL, "model.vocab_size": 4096, "compute.device": "cpu", "compute.precision": "bf16"}
     plain = estimate_memory(build_config({}, base), 1)
-    chunked = estimate_memory(build_config({}, {**base, "train.loss_chunk": 16}), 1)
+    chunked = estimate_memory(build_config({}, {**base, "compute.loss_chunk": 16}), 1)
     tokens = 2 * 32
     assert plain.logits_saved == tokens * 4096 * 4 + tokens * 8 + 2 * 4  # fp32 log-probs, targets, 2 scalars
     assert chunked.logits_saved == tokens * 4096 * 2 + 4  # the bf16 gradient and the loss
@@ -150,7 +150,7 @@ def test_total_is_the_larger_of_the_backward_peak_and_the_optimizer_step():
 
 
 def _cfg(**overrides):
-    flat = {**SMALL, "model.vocab_size": 96, "train.device": "cpu", "train.global_batch": 8, **overrides}
+    flat = {**SMALL, "model.vocab_size": 96, "compute.device": "cpu", "train.global_batch": 8, **overrides}
     return build_config({}, {k: str(v) for k, v in flat.items()})
 
 
@@ -219,9 +219,9 @@ def test_zero1_shards_only_the_optimizer_and_offload_moves_state_to_the_host():
     (2, {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "interleaved-1f1b"}),
     (2, {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble"}),
     (8, {"parallel.pp": 2, "parallel.fsdp": 2, "parallel.tp": 2, "parallel.param_dtype": "bf16",
-         "train.precision": "bf16", "train.recompute": "selective"}),
-    (1, {"train.device": "cuda", "train.precision": "bf16"}), (1, {"train.device": "cuda"}),
-    (1, {"train.device": "cuda", "train.precision": "fp64"}),
+         "compute.precision": "bf16", "compute.recompute": "selective"}),
+    (1, {"compute.device": "cuda", "compute.precision": "bf16"}), (1, {"compute.device": "cuda"}),
+    (1, {"compute.device": "cuda", "compute.precision": "fp64"}),
 ])
 def test_every_layout_has_a_prediction_for_every_rank(ranks, overrides):
     cfg = _cfg(**overrides)
@@ -238,10 +238,10 @@ def test_a_layout_that_does_not_fit_the_world_is_refused():
 
 
 def test_compiled_loss_keeps_the_logits_and_one_log_sum_exp_per_token():
-    base = {**SMALL, "model.vocab_size": 4096, "train.device": "cpu", "train.precision": "bf16"}
+    base = {**SMALL, "model.vocab_size": 4096, "compute.device": "cpu", "compute.precision": "bf16"}
     plain = estimate_memory(build_config({}, base), 1)
-    compiled = estimate_memory(build_config({}, {**base, "train.compile": "true"}), 1)
-    chunked = estimate_memory(build_config({}, {**base, "train.compile": "true", "train.loss_chunk": 16}), 1)
+    compiled = estimate_memory(build_config({}, {**base, "compute.compile": "true"}), 1)
+    chunked = estimate_memory(build_config({}, {**base, "compute.compile": "true", "compute.loss_chunk": 16}), 1)
     tokens = 2 * 32
     assert compiled.logits_saved == tokens * 4096 * 2 + tokens * 4 + tokens * 8  # bf16 logits, fp32 lse, targets
     assert compiled.logits == 2 * tokens * 4096 * 2  # the logits and their bf16 gradient at backward start

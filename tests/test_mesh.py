@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from fourfold.cli import main
 from fourfold.errors import LayoutError
-from fourfold.mesh import ParallelMesh, grad_accumulation_steps, validate_layout
+from fourfold.layout import grad_accumulation_steps, validate_layout
+from fourfold.mesh import ParallelMesh
 from tests.trainer_helpers import tiny_config
 
 # name -> (world size, overrides, config keys the message must name). Base model: 4 layers, 4 heads,
@@ -48,8 +49,8 @@ INVALID = {
                            ["model.tie_embeddings", "parallel.pp"]),
     "batch-vs-micro": (1, {"train.micro_batch": 3}, ["train.global_batch", "train.micro_batch"]),
     "batch-vs-data-ranks": (8, {"parallel.fsdp": 8}, ["train.global_batch", "train.micro_batch"]),
-    "whole-model-compile-fsdp": (2, {"parallel.fsdp": 2, "train.compile": True, "train.compile_scope": "model"},
-                                 ["train.compile_scope", "blocks"]),
+    "whole-model-compile-fsdp": (2, {"parallel.fsdp": 2, "compute.compile": True, "compute.compile_scope": "model"},
+                                 ["compute.compile_scope", "blocks"]),
     "pp-microbatches": (2, {"parallel.pp": 2, "parallel.pp_microbatches": 3}, ["parallel.pp_microbatches"]),
     "interleaved-microbatches": (4, {"parallel.pp": 4, "parallel.pp_schedule": "interleaved-1f1b",
                                      "train.global_batch": 6}, ["train.global_batch", "train.micro_batch"]),
@@ -94,7 +95,7 @@ def test_trainer_refuses_layout_before_init(name, tmp_path, no_process_group):
 def test_cli_reports_layout_error_without_traceback(name, tmp_path, capsys, no_process_group):
     world, overrides, keys = INVALID[name]
     base = tiny_config(tmp_path)  # writes the corpus; the CLI gets the same settings as flags
-    flags = {"data.path": base.data.path, "data.cache_dir": base.data.cache_dir, "train.device": "cpu",
+    flags = {"data.path": base.data.path, "data.cache_dir": base.data.cache_dir, "compute.device": "cpu",
              "train.global_batch": 8, "train.micro_batch": 2, "train.seq_len": 16, "log.progress": False,
              "model.dim": 32, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2,
              "model.ffn_dim": 64, "model.vocab_size": 320, "model.max_seq_len": 64, **overrides}

@@ -7,8 +7,8 @@ import torch
 
 from fourfold.config import ModelConfig
 from fourfold.models.llama import Llama
-from fourfold.parallel.data import DataParallel
-from fourfold.train.optim import folds_clipping
+from fourfold.parallel.data_parallel import DataParallel
+from fourfold.optim import folds_clipping
 
 
 def _model_with_grads(seed: int = 0) -> Llama:

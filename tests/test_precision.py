@@ -139,7 +139,7 @@ def _assert_metrics(run_dir: Path) -> None:
 
 
 def _fp16_config(tmp: Path, **extra):
-    return tiny_config(tmp, **{"train.precision": "fp16", "train.steps": STEPS, "train.lr": "1e-2",
+    return tiny_config(tmp, **{"compute.precision": "fp16", "train.steps": STEPS, "optim.lr": "1e-2",
                                "checkpoint.save_final": "false", **extra})
 
 

@@ -74,7 +74,7 @@ def test_recompute_summary_predicts_saving_and_extra_flops():
     from fourfold.plan.recompute_cost import block_forward_flops_per_token, recompute_summary, without_recompute
 
     flat = {"model.preset": "llama-1b", "train.seq_len": "2048", "train.micro_batch": "4", "train.global_batch": "4",
-            "train.precision": "bf16", "train.device": "cuda"}
+            "compute.precision": "bf16", "compute.device": "cuda"}
     base = build_config({}, flat)
     m = base.model
     # The blocks' forward FLOPs (x3 for forward + backward) plus the head and norms are the MFU total.
@@ -85,7 +85,7 @@ def test_recompute_summary_predicts_saving_and_extra_flops():
     none_act = estimate_memory(base, 1).activations
     summaries = {}
     for mode in ("full", "selective", "every-2"):
-        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, recompute=mode))
+        cfg = dataclasses.replace(base, compute=dataclasses.replace(base.compute, recompute=mode))
         assert without_recompute(cfg) == base  # the baseline differs from cfg in the recompute mode only
         s = summaries[mode] = recompute_summary(cfg, estimate_memory(cfg, 1), estimate_memory(without_recompute(cfg), 1))
         assert s.activations_without == none_act

@@ -14,10 +14,10 @@ from collections import Counter
 import pytest
 
 from fourfold.errors import LayoutError
-from fourfold.parallel.pipeline_exec import forward_only_schedule
-from fourfold.parallel.schedules import (SCHEDULES, Action, ScheduleError, TimedAction, analytic_bubble,
+from fourfold.parallel.pipeline.executor import forward_only_schedule
+from fourfold.parallel.pipeline.schedules import (SCHEDULES, Action, ScheduleError, TimedAction, analytic_bubble,
                                          build_schedule, match_messages, peak_in_flight, simulate)
-from fourfold.parallel.timeline import draw_timeline, measured_bubble, pipeline_bubble, write_chrome_trace
+from fourfold.parallel.pipeline.timeline import draw_timeline, measured_bubble, pipeline_bubble, write_chrome_trace
 
 
 def _valid_cases():

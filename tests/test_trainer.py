@@ -14,7 +14,7 @@ from tests.trainer_helpers import final_weights, losses, tiny_config
 
 
 def test_loss_falls_and_metrics_are_recorded(tmp_path):
-    cfg = tiny_config(tmp_path, **{"train.steps": "30", "train.val_every": "15", "train.lr": "1e-2"})
+    cfg = tiny_config(tmp_path, **{"train.steps": "30", "train.val_every": "15", "optim.lr": "1e-2"})
     summary = train(cfg, tmp_path / "run")
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
@@ -79,6 +79,6 @@ def test_run_reports_what_recompute_saves_and_costs(tmp_path):
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    train(tiny_config(tmp_path, **{"train.steps": "1", "train.recompute": "full"}), tmp_path / "run", console=console)
+    train(tiny_config(tmp_path, **{"train.steps": "1", "compute.recompute": "full"}), tmp_path / "run", console=console)
     text = console.export_text()
     assert "recompute full: activations" in text and "saves" in text and "model FLOPs per step" in text

@@ -31,7 +31,7 @@ def tiny_config(tmp: Path, **overrides):
     flat = {
         "data.path": str(corpus), "data.cache_dir": str(tmp / "cache"), "data.val_fraction": "0.05",
         "train.steps": "6", "train.global_batch": "8", "train.micro_batch": "2", "train.seq_len": "16",
-        "train.lr": "3e-3", "train.warmup_steps": "2", "train.val_every": "0", "train.device": "cpu",
+        "optim.lr": "3e-3", "optim.warmup_steps": "2", "train.val_every": "0", "compute.device": "cpu",
         "log.every": "1", "log.progress": "false", "checkpoint.every": "0", "checkpoint.keep": "3",
     }
     flat.update({f"model.{k}": str(v) for k, v in TINY_MODEL.items()})

@@ -1,18 +1,18 @@
 """Apply a layout to a model: tensor/sequence parallel, context parallel, float8, recomputation, compile, data parallel.
 
-    model = parallelize(model, mesh, cfg, dp)   # dp: fourfold.parallel.data.DataParallel
+    model = parallelize(model, mesh, cfg, dp)   # dp: fourfold.parallel.data_parallel.DataParallel
 
 The order matters, and is the one torchtitan uses:
 1. Tensor (and sequence) parallel first: it replaces weights with DTensors sharded on the tp mesh;
    everything after sees the sharded weights.
 2. Context parallel swaps the attention core; it must precede recomputation so the ring attention is
    inside the recomputed region like the core it replaces.
-3. float8 (train.float8) swaps the block linears for torchao's float8 ones, so recomputation and compile
+3. float8 (quant.float8) swaps the block linears for torchao's float8 ones, so recomputation and compile
    see the float8 matmuls.
 4. Activation recomputation wraps blocks (or ops) before compile, so compile traces the checkpointed
    region and can fuse the recomputation.
 5. torch.compile per block (regional): short compile time, and each block is compiled once and reused;
-   or, with train.compile_scope "model", of the whole forward (one GPU or DDP only).
+   or, with compute.compile_scope "model", of the whole forward (one GPU or DDP only).
 6. Data parallel last: FSDP's fully_shard shards whatever parameters the earlier steps left (DTensors
    on the tp mesh included), and its hooks go around the compiled blocks.
 """
@@ -41,20 +41,20 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: Config, dp) -> nn.Mod
         from fourfold.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, mesh.get("cp"), cfg.parallel.cp_method)
-    if cfg.train.float8:
-        from fourfold.ops.float8 import apply_float8
+    if cfg.quant.float8:
+        from fourfold.quant.float8 import apply_float8
 
         apply_float8(model)
-    if cfg.train.recompute != "none":
+    if cfg.compute.recompute != "none":
         from fourfold.recompute import apply_recompute
 
-        apply_recompute(model, cfg.train.recompute)
-    if cfg.train.compile and cfg.train.compile_memory_budget < 1:
+        apply_recompute(model, cfg.compute.recompute)
+    if cfg.compute.compile and cfg.compute.compile_memory_budget < 1:
         import torch._functorch.config as functorch_config
 
-        functorch_config.activation_memory_budget = cfg.train.compile_memory_budget
-    if cfg.train.compile and cfg.train.compile_scope == "model":
+        functorch_config.activation_memory_budget = cfg.compute.compile_memory_budget
+    if cfg.compute.compile and cfg.compute.compile_scope == "model":
         model.compile()  # one graph from tokens to logits (validate_layout allows it only on one GPU or DDP)
-    elif cfg.train.compile:
+    elif cfg.compute.compile:
         compile_blocks(model)
     return dp.wrap(model)

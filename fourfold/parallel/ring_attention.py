@@ -5,7 +5,7 @@
 Each rank holds global chunks (r, 2cp-1-r) of every sequence (see fourfold/parallel/context.py). The
 K/V blocks travel around the ring (rank r sends to r+1), cp-1 hops; at hop t rank r holds the block of
 owner (r - t) mod cp and attends its queries to it. Which query/key pairs the causal mask keeps depends
-only on the two ranks involved (`block_plan`):
+only on the two ranks involved (`hop_blocks`):
 
     owner == r   local queries vs local keys, causal (the two chunks are in increasing global order)
     owner <  r   all local queries vs the owner's first chunk, no mask (that chunk precedes both of ours)
@@ -42,7 +42,7 @@ import torch
 from fourfold.parallel.comm import send_recv_next
 
 
-def block_plan(cp_rank: int, owner: int, cp: int, local_len: int) -> tuple[slice, slice, bool]:
+def hop_blocks(cp_rank: int, owner: int, cp: int, local_len: int) -> tuple[slice, slice, bool]:
     """(query rows, key rows, causal) of the attention between rank `cp_rank`'s queries and `owner`'s keys.
 
     `local_len` is the local sequence length (two chunks). Rows outside the returned slices see none of
@@ -178,7 +178,7 @@ class _RingAttention(torch.autograd.Function):
         for hop in range(cp):
             # Post the next hop's exchange first so it travels while this block is computed.
             pending = send_recv_next([k_cur, v_cur], group, async_op=True) if hop + 1 < cp else None
-            rows, cols, causal = block_plan(cp_rank, (cp_rank - hop) % cp, cp, s)
+            rows, cols, causal = hop_blocks(cp_rank, (cp_rank - hop) % cp, cp, s)
             if fused:
                 block_out, block_lse, meta = fused_block_forward(kernel, q_in[..., rows, :], k_cur[:, :, cols],
                                                                  v_cur[:, :, cols], causal, scale)
@@ -212,7 +212,7 @@ class _RingAttention(torch.autograd.Function):
         dkv_pending = None
         for hop in range(cp):
             kv_pending = send_recv_next([k_cur, v_cur], group, async_op=True) if hop + 1 < cp else None
-            rows, cols, causal = block_plan(cp_rank, (cp_rank - hop) % cp, cp, q.shape[2])
+            rows, cols, causal = hop_blocks(cp_rank, (cp_rank - hop) % cp, cp, q.shape[2])
             if fused:
                 block_dq, block_dk, block_dv = fused_block_backward(
                     ctx.kernel, q_in[..., rows, :], k_cur[:, :, cols], v_cur[:, :, cols], dout[..., rows, :],

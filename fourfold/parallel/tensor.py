@@ -28,7 +28,7 @@ Contract for the trainer:
 - parameters are DTensors on the tp mesh; without sequence parallel the norm weights stay plain
   tensors (every tp rank computes identical norm gradients), so code that mixes parameter kinds in one
   foreach kernel (torch's `clip_grad_norm_`, a single-group foreach AdamW) must group by mesh, as
-  `fourfold.parallel.data.total_grad_norm` and the decay/no-decay optimizer groups do;
+  `fourfold.parallel.data_parallel.total_grad_norm` and the decay/no-decay optimizer groups do;
 - FSDP goes on after this function (on the fsdp mesh of the same parent DeviceMesh): fully_shard then
   shards the DTensor weights along its own mesh dimension.
 
@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from fourfold.errors import LayoutError
-from fourfold.mesh import check_tensor_parallel
+from fourfold.layout import check_tensor_parallel
 from fourfold.models.llama import Llama
 from fourfold.parallel.tensor_plan import block_plan, outer_plan
 

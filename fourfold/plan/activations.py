@@ -43,8 +43,8 @@ The attention kernel decides what attention keeps:
 - Context parallel: ring attention keeps q, k, v, a wide (fp32) output and log-sum-exp and wo's input copy;
   all-gather attention keeps the gathered K and V (modelled, not measured).
 
-Compiled cross-entropy (train.compile without loss_chunk): keeps the logits and a log-sum-exp per token
-(modelled). Not modelled: what torch.compile saves inside the blocks (inductor chooses), train.float8
+Compiled cross-entropy (compute.compile without loss_chunk): keeps the logits and a log-sum-exp per token
+(modelled). Not modelled: what torch.compile saves inside the blocks (inductor chooses), quant.float8
 (which keeps float8 copies of the matmul inputs), the CUDA caching allocator's fragmentation and the
 CUDA/NCCL context itself.
 """
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from fourfold.config import Config
-from fourfold.mesh import grad_accumulation_steps
+from fourfold.layout import grad_accumulation_steps
 from fourfold.plan.layout import ParamShape
 from fourfold.precision import DTYPES, PrecisionPolicy
 from fourfold.recompute import recomputed_blocks
@@ -73,15 +73,15 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def autocast_dtype(cfg: Config) -> torch.dtype | None:
-    """The autocast dtype of train.precision (fourfold.precision.PrecisionPolicy's), or None."""
+    """The autocast dtype of compute.precision (fourfold.precision.PrecisionPolicy's), or None."""
     return PrecisionPolicy.from_config(cfg, torch.device(device_type(cfg))).autocast_dtype
 
 
 def device_type(cfg: Config) -> str:
-    """'cpu' or 'cuda', resolving train.device = auto the way fourfold.distributed.pick_device does."""
-    if cfg.train.device == "auto":
+    """'cpu' or 'cuda', resolving compute.device = auto the way fourfold.distributed.pick_device does."""
+    if cfg.compute.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.train.device
+    return cfg.compute.device
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def _block(sh: Shapes, mode: str, x_dtype: torch.dtype, weight_elems: int) -> in
 def loss_bytes(sh: Shapes, chunk: int, tp: int, compiled: bool = False) -> tuple[int, int, int]:
     """(saved for backward, peak at backward start, forward peak) of the loss region, in bytes.
 
-    `compiled`: the cross-entropy runs through torch.compile (train.compile without loss_chunk or tp).
+    `compiled`: the cross-entropy runs through torch.compile (compute.compile without loss_chunk or tp).
     """
     a, w = dtype_size(sh.linear), dtype_size(wide_dtype(sh.linear))
     t, v = sh.t, sh.v
@@ -197,7 +197,7 @@ def loss_bytes(sh: Shapes, chunk: int, tp: int, compiled: bool = False) -> tuple
 def tensor_shapes(cfg: Config, strategy: str) -> Shapes:
     """Per-rank tensor sizes, dtypes and the attention kernel for `cfg` under data-parallel `strategy`."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    master = torch.float64 if t.precision == "fp64" else torch.float32
+    master = torch.float64 if cfg.compute.precision == "fp64" else torch.float32
     compute = DTYPES[p.param_dtype] if strategy == "fsdp" and p.param_dtype != "fp32" else master
     autocast = autocast_dtype(cfg)
     linear = autocast or compute
@@ -221,7 +221,7 @@ def chunk_activations(cfg: Config, sh: Shapes, layers: range, first: bool, last:
                        params: list[ParamShape]) -> dict[str, int]:
     """Saved bytes of one micro-batch through one chunk, split into streams, blocks, head, and workspace terms."""
     modes = ["none"] * len(layers)
-    rc = cfg.train.recompute
+    rc = cfg.compute.recompute
     for i in recomputed_blocks(rc, len(layers)):
         modes[i] = "selective" if rc == "selective" else "full"
     cast = sh.autocast is not None and sh.compute != sh.autocast
@@ -270,7 +270,7 @@ def pipeline_peak(cfg: Config, pp_rank: int, per_chunk: list[int]) -> tuple[int,
     p = cfg.parallel
     if p.pp == 1:
         return sum(per_chunk), 1
-    from fourfold.parallel.schedules import SCHEDULES
+    from fourfold.parallel.pipeline.schedules import SCHEDULES
 
     n_micro = p.pp_microbatches or grad_accumulation_steps(cfg)
     held = peak = units = peak_units = 0

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 
 from fourfold.config import Config
-from fourfold.mesh import DIM_ORDER, grid_coordinates, layout_sizes
-from fourfold.parallel.pipeline_split import stage_layer_counts
+from fourfold.layout import DIM_ORDER, grid_coordinates, layout_sizes
+from fourfold.parallel.pipeline.split import stage_layer_counts
 
 
 def rank_coordinates(cfg: Config, rank: int) -> dict[str, int]:
@@ -58,7 +58,7 @@ class ParamShape:
 
     @property
     def decays(self) -> bool:
-        """In AdamW's decayed group (matrices and embeddings), as `fourfold.train.optim.decay_groups`."""
+        """In AdamW's decayed group (matrices and embeddings), as `fourfold.optim.decay_groups`."""
         return len(self.shape) >= 2
 
     @property

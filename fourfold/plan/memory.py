@@ -17,10 +17,10 @@ Components (bytes on one rank's accelerator):
 | workspace | transient buffers: FSDP all-gathers, the block recomputed in backward, gradient buffers, autocast weight copies | modelled |
 
 The layout is mirrored from the code that builds it: the data-parallel strategy as
-`fourfold.parallel.data.build_data_parallel` picks it (ddp / zero1 / FSDP2 for zero 2 and 3 / HSDP), the
+`fourfold.parallel.data_parallel.build_data_parallel` picks it (ddp / zero1 / FSDP2 for zero 2 and 3 / HSDP), the
 tensor-parallel plan of `fourfold.parallel.tensor_plan` (q/k/v/w1/w3 and the head split by output rows,
 wo/w2 by input columns, the embedding by vocabulary rows, norms replicated), the pipeline split of
-`fourfold.parallel.pipeline_split.stage_layer_counts` (embedding on the first stage, final norm and head on
+`fourfold.parallel.pipeline.split.stage_layer_counts` (embedding on the first stage, final norm and head on
 the last), context parallel (seq / cp tokens per rank) and sequence parallel (norm and residual tensors
 hold seq / tp positions).
 
@@ -46,12 +46,12 @@ import torch
 
 from fourfold.config import Config
 from fourfold.errors import ConfigError
-from fourfold.mesh import data_parallel_strategy, validate_layout
+from fourfold.layout import data_parallel_strategy, validate_layout
 from fourfold.plan.activations import (DTYPES, autocast_dtype, chunk_activations, device_type, dtype_size,
                                        loss_bytes, pipeline_peak, tensor_shapes)
 from fourfold.plan.layout import (chunk_parameters, fsdp_rows, fsdp_shard_group, rank_chunks, rank_coordinates,
                                   rank_of, zero1_partition)
-from fourfold.train.metrics import format_bytes
+from fourfold.units import format_bytes
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "workspace")
 """Field names of the components that add up to the total, in table order."""
@@ -213,7 +213,7 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
             parts_sum[k] = parts_sum.get(k, 0) + v
         chunk_bytes = parts["streams"] + parts["blocks"] + parts["extra"] + parts["head"]
         if last:
-            loss_saved, loss_peak, loss_forward = loss_bytes(sh, t.loss_chunk, p.tp, t.compile)
+            loss_saved, loss_peak, loss_forward = loss_bytes(sh, cfg.compute.loss_chunk, p.tp, cfg.compute.compile)
             loss_peak = max(loss_peak, loss_forward)
             chunk_bytes += loss_saved
         per_chunk.append(chunk_bytes)
@@ -269,12 +269,12 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
                    "flash": "CUDA flash attention", "efficient": "CUDA memory-efficient attention (fp32)",
                    "math": "CUDA math attention (approximate)", "ring": "ring attention (modelled)",
                    "allgather": "all-gather attention (modelled)"}[sh.kernel]
-    notes.append(f"activations: recompute {t.recompute}, micro-batch {t.micro_batch} x {sh.s} tokens, "
+    notes.append(f"activations: recompute {cfg.compute.recompute}, micro-batch {t.micro_batch} x {sh.s} tokens, "
                  f"{kernel_note}; workspace is a model, not a measurement.")
-    if t.compile:
-        notes.append("train.compile: inductor chooses what to save; activations are for eager mode.")
-    if t.float8:
-        notes.append("train.float8: not modelled; float8 keeps 1-byte copies of the matmul inputs, so activations "
+    if cfg.compute.compile:
+        notes.append("compute.compile: inductor chooses what to save; activations are for eager mode.")
+    if cfg.quant.float8:
+        notes.append("quant.float8: not modelled; float8 keeps 1-byte copies of the matmul inputs, so activations "
                      "come out lower than shown (1.1B preset, H200: 21.2 GiB measured against bf16's 26.3).")
     return MemoryEstimate(
         params=params_b, grads=grads_b, optimizer=optim_b, activations=activations, logits=loss_peak,
@@ -315,7 +315,7 @@ def estimate_memory(cfg: Config, world_size: int, rank: int | None = None) -> Me
 def measure_saved_activations(cfg: Config, device: str | torch.device | None = None) -> int:
     """Bytes one micro-batch's forward and loss leave for backward in a single process (no parallel layout).
 
-    Builds the model of `cfg` on `device` (default: cfg.train.device), applies cfg.train.recompute, runs
+    Builds the model of `cfg` on `device` (default: cfg.compute.device), applies cfg.compute.recompute, runs
     forward under the precision's autocast and the loss, and measures with
     `fourfold.recompute.saved_activation_bytes` (parameters and buffers excluded). Compare with
     `estimate_memory(cfg, 1).saved_for_backward`; this is how the activation formulas are calibrated.
@@ -329,10 +329,10 @@ def measure_saved_activations(cfg: Config, device: str | torch.device | None = N
     if p.dp * p.fsdp * p.tp * p.pp * p.cp != 1:
         raise ConfigError("measure_saved_activations measures the single-process model; set every parallel "
                           "degree to 1 (sharded layouts are measured through the trainer).")
-    dev = torch.device(device) if device is not None else pick_device(cfg.train.device)
+    dev = torch.device(device) if device is not None else pick_device(cfg.compute.device)
     torch.manual_seed(cfg.train.seed)
-    model = Llama(cfg.model).to(dev, torch.float64 if cfg.train.precision == "fp64" else torch.float32)
-    apply_recompute(model, cfg.train.recompute)
+    model = Llama(cfg.model).to(dev, torch.float64 if cfg.compute.precision == "fp64" else torch.float32)
+    apply_recompute(model, cfg.compute.recompute)
     shape = (cfg.train.micro_batch, cfg.train.seq_len)
     tokens = torch.randint(0, cfg.model.vocab_size, shape, device=dev)
     targets = torch.randint(0, cfg.model.vocab_size, shape, device=dev)
@@ -341,7 +341,7 @@ def measure_saved_activations(cfg: Config, device: str | torch.device | None = N
     def forward_and_loss():
         with torch.autocast(dev.type, dtype=autocast or torch.float32, enabled=autocast is not None):
             logits = model(tokens)
-        return cross_entropy(logits, targets, cfg.train.loss_chunk)
+        return cross_entropy(logits, targets, cfg.compute.loss_chunk)
 
     state = tuple(model.parameters()) + tuple(model.buffers())
     _, saved = saved_activation_bytes(forward_and_loss, exclude=state)

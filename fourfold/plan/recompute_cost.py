@@ -21,7 +21,7 @@ from fourfold.config import Config, ModelConfig
 from fourfold.models.llama import training_flops_per_token
 from fourfold.plan.memory import MemoryEstimate
 from fourfold.recompute import recomputed_blocks
-from fourfold.train.metrics import format_bytes
+from fourfold.units import format_bytes
 
 
 def block_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -59,14 +59,14 @@ class RecomputeSummary:
 
 
 def without_recompute(cfg: Config) -> Config:
-    """`cfg` with train.recompute "none": the baseline the summary compares with."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
+    """`cfg` with compute.recompute "none": the baseline the summary compares with."""
+    return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, recompute="none"))
 
 
 def recompute_summary(cfg: Config, with_mode: MemoryEstimate, without: MemoryEstimate) -> RecomputeSummary:
-    """The predicted saving and cost of cfg.train.recompute, from the memory estimates of `cfg` and of
+    """The predicted saving and cost of cfg.compute.recompute, from the memory estimates of `cfg` and of
     `without_recompute(cfg)` (same world size and rank)."""
-    mode, m, seq = cfg.train.recompute, cfg.model, cfg.train.seq_len
+    mode, m, seq = cfg.compute.recompute, cfg.model, cfg.train.seq_len
     repeated = 0.0 if mode == "selective" else len(recomputed_blocks(mode, m.n_layers)) * block_forward_flops_per_token(m, seq)
     return RecomputeSummary(mode, with_mode.activations, without.activations,
                             repeated / training_flops_per_token(m, seq))

@@ -1,7 +1,7 @@
 """The training loss for a layout: token-mean cross-entropy, vocab-parallel under tensor parallel.
 
-With train.compile the plain cross-entropy is compiled too (whatever train.compile_scope says), unless
-train.loss_chunk asks for the chunked one.
+With compute.compile the plain cross-entropy is compiled too (whatever compute.compile_scope says), unless
+compute.loss_chunk asks for the chunked one.
 
     loss_fn, loss_context = build_loss(cfg, mesh)
     with loss_context():            # forward loss and backward both inside it
@@ -25,10 +25,10 @@ def build_loss(cfg: Config, mesh: ParallelMesh):
         return compute_loss, functools.partial(loss_context, True)
     from fourfold.ops.cross_entropy import cross_entropy
 
-    if cfg.train.compile and cfg.train.loss_chunk == 0:
+    if cfg.compute.compile and cfg.compute.loss_chunk == 0:
         import torch
 
         # Compiled, the upcast, log-softmax and their backward fuse into one pass each way over the
         # low-precision logits: no float32 copy of the logits is made or kept for backward.
         return torch.compile(cross_entropy, fullgraph=True), contextlib.nullcontext
-    return functools.partial(cross_entropy, chunk=cfg.train.loss_chunk), contextlib.nullcontext
+    return functools.partial(cross_entropy, chunk=cfg.compute.loss_chunk), contextlib.nullcontext

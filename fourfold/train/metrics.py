@@ -14,6 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from fourfold.units import format_bytes
+
 
 class MetricsWriter:
     """Appends records to run_dir/metrics.jsonl and, if asked and installed, TensorBoard."""
@@ -58,17 +60,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """All records of a run directory's metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def format_bytes(n: float | None) -> str:
-    """A byte count for people, e.g. '512 B' or '1.5 GiB'; '-' for None."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class TrainProgress:

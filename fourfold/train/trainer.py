@@ -23,15 +23,18 @@ from torch import nn
 from fourfold.config import Config, to_toml
 from fourfold.distributed import DistEnv, init_distributed, world_from_env
 from fourfold.hardware import peak_flops, peak_memory_bytes, reset_peak_memory
-from fourfold.mesh import ParallelMesh, grad_accumulation_steps, validate_layout
+from fourfold.layout import grad_accumulation_steps, validate_layout
+from fourfold.mesh import ParallelMesh
 from fourfold.models.llama import Llama, parameter_counts, training_flops_per_token
 from fourfold.parallel.apply import parallelize
-from fourfold.parallel.data import build_data_parallel
+from fourfold.parallel.data_parallel import build_data_parallel
 from fourfold.parallel.tensor import settle_partial_grads
 from fourfold.plan.memory import MEASURED_KEYS, estimate_memory
 from fourfold.train.losses import build_loss
-from fourfold.train.metrics import MetricsWriter, TrainProgress, format_bytes
-from fourfold.train.optim import clip_across_stages, lr_at, set_lr
+from fourfold.train.metrics import MetricsWriter, TrainProgress
+from fourfold.units import format_bytes
+from fourfold.optim import lr_at, set_lr
+from fourfold.parallel.grad_norm import clip_across_stages
 from fourfold.train.step import StepContext, as_plain_tensor, evaluate, forward_backward
 
 
@@ -60,7 +63,7 @@ class Trainer:
         self.cfg = cfg
         # The layout is checked against the world size before any process group exists.
         validate_layout(cfg, world_from_env()[1])
-        self.env: DistEnv = init_distributed(cfg.train.device)
+        self.env: DistEnv = init_distributed(cfg.compute.device)
         self.console = console or Console()
         self.is_main = self.env.is_main
         self.mesh = ParallelMesh.build(cfg, self.env.world_size, self.env.rank, self.env.device.type)
@@ -83,7 +86,7 @@ class Trainer:
         self._barrier()
 
     def _setup_data(self) -> None:
-        from fourfold.train.data import build_data
+        from fourfold.train.dataset import build_data
 
         dp_rank, dp_world = self.mesh.data_parallel_rank, self.mesh.data_parallel_size
         if self.is_main:
@@ -95,13 +98,13 @@ class Trainer:
     def _setup_model(self) -> None:
         cfg = self.cfg
         model = Llama(cfg.model)  # same seed on every rank: identical initial weights before sharding
-        model.to(self.device, torch.float64 if cfg.train.precision == "fp64" else torch.float32)
+        model.to(self.device, torch.float64 if cfg.compute.precision == "fp64" else torch.float32)
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
         self.dp = build_data_parallel(self.mesh, cfg, self.device)
         if self.mesh.size("pp") > 1:
             from fourfold.parallel.pipeline import split_pipeline
 
-            chunks = split_pipeline(model, self.mesh.local_rank("pp"), self.mesh.size("pp"), cfg.parallel.vpp,
+            chunks = split_pipeline(model, self.mesh.coord("pp"), self.mesh.size("pp"), cfg.parallel.vpp,
                                     cfg.parallel.pp_layers)
             self.chunks = [parallelize(c, self.mesh, cfg, self.dp) for c in chunks]
             self.model = nn.ModuleList(self.chunks)  # one module for the optimizer and clipping
@@ -112,13 +115,13 @@ class Trainer:
         from fourfold.precision import DynamicLossScaler, PrecisionPolicy
 
         self.precision = PrecisionPolicy.from_config(cfg, self.device)
-        self.scaler = DynamicLossScaler(group=None) if cfg.train.precision == "fp16" else None
+        self.scaler = DynamicLossScaler(group=None) if cfg.compute.precision == "fp16" else None
         loss_fn, loss_context = build_loss(cfg, self.mesh)
         shard_batch = None
         if self.mesh.size("cp") > 1:
             from fourfold.parallel.context import shard_batch as cp_shard
 
-            cp_rank, cp = self.mesh.local_rank("cp"), self.mesh.size("cp")
+            cp_rank, cp = self.mesh.coord("cp"), self.mesh.size("cp")
             shard_batch = lambda x, y: cp_shard(x, y, cp_rank, cp)  # noqa: E731
         self.ctx = StepContext(
             device=self.device, loss_fn=loss_fn, loss_context=loss_context, autocast=self.precision.autocast,
@@ -133,9 +136,9 @@ class Trainer:
         seq = cfg.train.seq_len // mesh.size("cp")
         if mesh.size("tp") > 1 and cfg.parallel.sequence_parallel:
             seq //= mesh.size("tp")
-        act_dtype = torch.float64 if cfg.train.precision == "fp64" else torch.float32
+        act_dtype = torch.float64 if cfg.compute.precision == "fp64" else torch.float32
         return PipelineExecutor(
-            self.chunks, cfg.parallel.pp_schedule, mesh.local_rank("pp"), mesh.size("pp"), cfg.parallel.vpp,
+            self.chunks, cfg.parallel.pp_schedule, mesh.coord("pp"), mesh.size("pp"), cfg.parallel.vpp,
             grad_accumulation_steps(cfg), mesh.group("pp"), self.ctx.loss_fn, self.device, act_dtype,
             autocast=self.precision.autocast, scale_loss=self.ctx.scale_loss,
             grad_sync=lambda i, last: self.dp.grad_sync(self.chunks[i], last),
@@ -143,7 +146,7 @@ class Trainer:
         )
 
     def _resume(self, resume: bool | str) -> None:
-        from fourfold.train.checkpoint import load_checkpoint, resolve_resume
+        from fourfold.checkpoint.store import load_checkpoint, resolve_resume
 
         path = resolve_resume(self.run_dir, resume)
         if path is None:
@@ -185,7 +188,7 @@ class Trainer:
         the training data (benchmarks pass their own, e.g. to probe the largest micro-batch).
         """
         cfg = self.cfg
-        set_lr(self.optimizer, lr_at(self.step, cfg.train))
+        set_lr(self.optimizer, lr_at(self.step, cfg.optim, cfg.train.steps))
         if micro is None:
             micro = self.train_batches.next_step()
         if self.executor is not None:
@@ -202,9 +205,9 @@ class Trainer:
         if self.scaler is not None:
             skipped = self.scaler.unscale_and_check(list(self.model.parameters()))
         if self.mesh.size("pp") > 1:
-            grad_norm = clip_across_stages(self.model.parameters(), cfg.train.grad_clip, self.mesh.group("pp"))
+            grad_norm = clip_across_stages(self.model.parameters(), cfg.optim.grad_clip, self.mesh.group("pp"))
         else:
-            grad_norm = self.dp.clip_grad_norm(self.model, cfg.train.grad_clip, self.optimizer)
+            grad_norm = self.dp.clip_grad_norm(self.model, cfg.optim.grad_clip, self.optimizer)
         if not skipped:
             self.optimizer.step()
         if self.scaler is not None:
@@ -325,14 +328,14 @@ class Trainer:
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (every rank takes part); returns its directory."""
-        from fourfold.train.checkpoint import save_checkpoint
+        from fourfold.checkpoint.store import save_checkpoint
 
         meta = {"step": self.step, "config": self.cfg.to_dict(), "data": self.train_batches.state_dict(),
                 "tokenizer": self.cfg.data.tokenizer}
         if self.scaler is not None:
             meta["loss_scaler"] = self.scaler.state_dict()
-        writer = all(self.mesh.local_rank(d) == 0 for d in ("dp", "fsdp", "cp", "tp"))
-        shard = f"stage{self.mesh.local_rank('pp')}" if self.mesh.size("pp") > 1 else "model"
+        writer = all(self.mesh.coord(d) == 0 for d in ("dp", "fsdp", "cp", "tp"))
+        shard = f"stage{self.mesh.coord('pp')}" if self.mesh.size("pp") > 1 else "model"
         model = self.chunks if self.chunks is not None else self.model
         return save_checkpoint(self.run_dir, self.step, model, self.optimizer, meta, self.cfg.checkpoint.keep,
                                writer=writer, shard_name=shard)
@@ -345,7 +348,7 @@ class Trainer:
         lines = [
             f"[bold]fourfold[/] run dir [cyan]{self.run_dir}[/]",
             f"layout {self.mesh.describe()} on {self.env.world_size} x {self.device.type}; "
-            f"precision {cfg.train.precision}; recompute {cfg.train.recompute}",
+            f"precision {cfg.compute.precision}; recompute {cfg.compute.recompute}",
             f"batch: global {cfg.train.global_batch} seqs x {cfg.train.seq_len} tokens, micro {cfg.train.micro_batch}, "
             f"grad accumulation {grad_accumulation_steps(cfg)}",
         ]
@@ -354,7 +357,7 @@ class Trainer:
         estimate = self._memory_estimate()
         if estimate is not None:
             self.console.print(estimate.table())
-        if cfg.train.recompute != "none" and estimate is not None:
+        if cfg.compute.recompute != "none" and estimate is not None:
             from fourfold.plan.recompute_cost import recompute_summary, without_recompute
 
             baseline = self._memory_estimate(cfg=without_recompute(cfg))

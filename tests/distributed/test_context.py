@@ -20,7 +20,7 @@ from fourfold.config import ModelConfig
 from fourfold.errors import ConfigError, LayoutError
 from fourfold.parallel.context import (apply_context_parallel, chunk_ids, positions_for, shard_batch,
                                        shard_sequence, to_global_order)
-from fourfold.parallel.ring_attention import block_plan
+from fourfold.parallel.ring_attention import hop_blocks
 from tests.distributed.launcher import run_ranks
 
 METHODS = ("ring", "allgather")
@@ -67,7 +67,7 @@ def test_block_plan_is_the_causal_mask(cp):
         q_pos = positions_for(seq, rank, cp)
         for owner in range(cp):
             k_pos = positions_for(seq, owner, cp)
-            rows, cols, causal = block_plan(rank, owner, cp, local)
+            rows, cols, causal = hop_blocks(rank, owner, cp, local)
             planned = torch.zeros(local, local, dtype=torch.bool)
             block = planned[rows, cols]
             planned[rows, cols] = torch.ones_like(block).tril() if causal else True

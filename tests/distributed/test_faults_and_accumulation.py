@@ -25,7 +25,7 @@ DP2 = {"parallel.dp": 2, "parallel.bucket_mb": 0.05}  # small buckets: several p
 
 
 def _cfg(tmp: Path, **extra):
-    return tiny_config(tmp, **{"train.precision": "fp64", "train.steps": STEPS, **extra})
+    return tiny_config(tmp, **{"compute.precision": "fp64", "train.steps": STEPS, **extra})
 
 
 def assert_matches_reference(run_dir: Path, ref: dict, check_grad_norm: bool = False) -> None:
@@ -170,9 +170,9 @@ def test_ddp_bf16_gradient_reduction_is_active_and_close(tmp_path):
     ~1e-3, where the fp32 reduction agrees with one process to ~1e-7) and training still follows the reference."""
     from fourfold.train.trainer import train
 
-    train(tiny_config(tmp_path, **{"train.precision": "fp32", "train.steps": 3}), tmp_path / "single")
+    train(tiny_config(tmp_path, **{"compute.precision": "fp32", "train.steps": 3}), tmp_path / "single")
     for dtype in ("fp32", "bf16"):
-        dp2 = {"train.precision": "fp32", "train.steps": 3, "parallel.dp": 2, "parallel.reduce_dtype": dtype}
+        dp2 = {"compute.precision": "fp32", "train.steps": 3, "parallel.dp": 2, "parallel.reduce_dtype": dtype}
         run_ranks(train_on_rank, 2, args=(str(tmp_path), dp2, dtype))
     ref = torch.tensor(grad_norms(tmp_path / "single"))
     err = {d: float(((torch.tensor(grad_norms(tmp_path / d)) - ref).abs() / ref).max()) for d in ("fp32", "bf16")}

@@ -66,7 +66,7 @@ def references(tmp_path_factory):
         key = tuple(sorted(model.items()))
         if key not in cache:
             run = tmp / f"single-{len(cache)}"
-            train(tiny_config(tmp, **{"train.precision": "fp64", "train.steps": STEPS, **model}), run)
+            train(tiny_config(tmp, **{"compute.precision": "fp64", "train.steps": STEPS, **model}), run)
             cache[key] = (losses(run), grad_norms(run), final_weights(run))
         return tmp, *cache[key]
 
@@ -77,7 +77,7 @@ def references(tmp_path_factory):
 def test_layout_matches_single_process(name, references):
     ranks, overrides = LAYOUTS[name]
     tmp, ref_losses, ref_norms, ref_weights = references(overrides)
-    run_ranks(train_on_rank, ranks, args=(str(tmp), {"train.precision": "fp64", "train.steps": STEPS, **overrides}, name))
+    run_ranks(train_on_rank, ranks, args=(str(tmp), {"compute.precision": "fp64", "train.steps": STEPS, **overrides}, name))
     got_losses = losses(tmp / name)
     assert len(got_losses) == STEPS
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(ref_losses), rtol=1e-9, atol=1e-12)

@@ -114,7 +114,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_strategy_is_the_one_the_prediction_models(results, world, tmp_path):
-    from fourfold.mesh import data_parallel_strategy
+    from fourfold.layout import data_parallel_strategy
 
     classes = {"ddp": "DDP", "zero1": "Zero1", "fsdp": "FSDP"}
     for name in STRATEGIES:

@@ -18,15 +18,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fourfold.config import ModelConfig, TrainConfig
+from fourfold.config import ModelConfig, OptimConfig
 from fourfold.errors import LayoutError
 from fourfold.models.llama import Llama
 from fourfold.ops.cross_entropy import cross_entropy
 from fourfold.parallel.pipeline import (PipelineExecutor, analytic_bubble, draw_timeline, measured_bubble,
                                         split_pipeline, stage_layer_counts, write_chrome_trace)
-from fourfold.parallel.pipeline_exec import _SplitBackward
-from fourfold.parallel.timeline import gather_timelines
-from fourfold.train.optim import build_adamw
+from fourfold.parallel.pipeline.executor import _SplitBackward
+from fourfold.parallel.pipeline.timeline import gather_timelines
+from fourfold.optim import build_adamw
 from tests.distributed.launcher import run_ranks
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -50,8 +50,8 @@ def model_config(n_layers: int = 4) -> ModelConfig:
     return ModelConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
 
 
-def train_config() -> TrainConfig:
-    return TrainConfig(lr=1e-2, weight_decay=0.1, warmup_steps=0)
+def train_config() -> OptimConfig:
+    return OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=0)
 
 
 def make_model(n_layers: int = 4) -> Llama:

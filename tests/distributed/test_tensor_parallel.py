@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from fourfold.config import ModelConfig, TrainConfig
+from fourfold.config import ModelConfig, OptimConfig
 from fourfold.errors import LayoutError
 from tests.distributed.launcher import run_ranks
 
@@ -29,7 +29,7 @@ SEED, STEPS, BATCH, SEQ = 7, 5, 4, 16
 MAX_NORM = 0.5  # below the initial gradient norm (checked), so every step clips
 RTOL, ATOL = 1e-10, 1e-12
 BASE_MODEL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=32)
-TRAIN = TrainConfig(lr=1e-2, weight_decay=0.1)
+TRAIN = OptimConfig(lr=1e-2, weight_decay=0.1)
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _clip(model, how: str) -> torch.Tensor:
     if how == "torch":
         return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
-    from fourfold.parallel.data import clip_with_norm, total_grad_norm
+    from fourfold.parallel.grad_norm import clip_with_norm, total_grad_norm
 
     params = [p for p in model.parameters() if p.grad is not None]
     norm = total_grad_norm(params)
@@ -93,7 +93,7 @@ def _train(model, batches, tp: bool, clip: str, mean_over_data) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from fourfold.parallel.tensor import compute_loss, loss_context, settle_partial_grads
-    from fourfold.train.optim import build_adamw
+    from fourfold.optim import build_adamw
 
     optimizer = build_adamw(model, TRAIN, torch.device("cpu"))
     record: dict = {"losses": []}
@@ -307,7 +307,7 @@ def test_sequence_parallel_rejects_indivisible_sequence(rank_results):
 
 @pytest.mark.parametrize("key, value", [("n_kv_heads", 1), ("ffn_dim", 65), ("vocab_size", 63)])
 def test_tp_must_divide_split_dimensions(key, value):
-    from fourfold.mesh import check_tensor_parallel
+    from fourfold.layout import check_tensor_parallel
 
     cfg = ModelConfig(**{**BASE_MODEL, key: value})
     with pytest.raises(LayoutError, match=f"model.{key}"):

@@ -1,4 +1,4 @@
-"""float8 training matmuls for the transformer blocks' linear layers, through torchao (train.float8).
+"""float8 training matmuls for the transformer blocks' linear layers, through torchao (quant.float8).
 
     apply_float8(model)   # before recomputation and compile, like the other parallelize steps
 
@@ -24,8 +24,8 @@ from fourfold.errors import ConfigError
 def require_torchao() -> None:
     """Raise ConfigError, saying how to install it, when torchao (the float8 training linear) is missing."""
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("train.float8 needs torchao, which is not installed: pip install 'fourfold[float8]', "
-                          "or set --train.float8 false.")
+        raise ConfigError("quant.float8 needs torchao, which is not installed: pip install 'fourfold[float8]', "
+                          "or set --quant.float8 false.")
 
 
 def converts_to_float8(module: nn.Module, name: str) -> bool:
@@ -41,8 +41,8 @@ def check_float8_device(model: nn.Module) -> None:
     if param is not None and param.device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(param.device)
         if (major, minor) < (8, 9):
-            raise ConfigError(f"train.float8 needs float8 tensor cores (compute capability 8.9+: Hopper, Ada); "
-                              f"this GPU is {major}.{minor}. Set --train.float8 false.")
+            raise ConfigError(f"quant.float8 needs float8 tensor cores (compute capability 8.9+: Hopper, Ada); "
+                              f"this GPU is {major}.{minor}. Set --quant.float8 false.")
 
 
 def apply_float8(model: nn.Module) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from fourfold.config import Config, DataConfig
 from fourfold.errors import ConfigError
-from fourfold.train.tokenizer import ByteTokenizer, load_tokenizer
+from fourfold.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def source_files(path: str | None) -> list[Path]:

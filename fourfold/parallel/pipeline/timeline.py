@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fourfold.parallel.schedules import TimedAction
+from fourfold.parallel.pipeline.schedules import TimedAction
 
 COLOURS = {"F": "#4C78A8", "B": "#F58518", "BI": "#F58518", "BW": "#54A24B"}
 """Forward blue, backward (or backward for inputs) orange, backward for weights green; idle stays white."""

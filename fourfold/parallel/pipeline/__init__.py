@@ -12,11 +12,11 @@ The pieces live beside this file: schedules.py (action lists, analytic bubble, s
 pipeline_split.py (stages), pipeline_exec.py (the executor) and timeline.py (bubble, trace, picture).
 """
 
-from fourfold.parallel.pipeline_exec import PipelineExecutor, forward_only_schedule
-from fourfold.parallel.pipeline_split import split_pipeline, stage_layer_counts, stage_layers
-from fourfold.parallel.schedules import (SCHEDULES, Action, TimedAction, analytic_bubble, build_schedule,
+from fourfold.parallel.pipeline.executor import PipelineExecutor, forward_only_schedule
+from fourfold.parallel.pipeline.split import split_pipeline, stage_layer_counts, stage_layers
+from fourfold.parallel.pipeline.schedules import (SCHEDULES, Action, TimedAction, analytic_bubble, build_schedule,
                                          simulate)
-from fourfold.parallel.timeline import draw_timeline, measured_bubble, pipeline_bubble, write_chrome_trace
+from fourfold.parallel.pipeline.timeline import draw_timeline, measured_bubble, pipeline_bubble, write_chrome_trace
 
 __all__ = [
     "Action", "PipelineExecutor", "SCHEDULES", "TimedAction", "analytic_bubble", "build_schedule",

@@ -33,9 +33,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.config import Config
-from fourfold.mesh import ParallelMesh, data_parallel_strategy
+from fourfold.layout import data_parallel_strategy
+from fourfold.mesh import ParallelMesh
 from fourfold.precision import DTYPES
-from fourfold.train.optim import adamw_kwargs, build_adamw, decay_groups, fold_clip, folds_clipping
+from fourfold.optim import adamw_kwargs, build_adamw, decay_groups, fold_clip, folds_clipping
+from fourfold.parallel.grad_norm import clip_with_norm, total_grad_norm
 
 
 def tensor_bytes(tensors) -> int:
@@ -47,35 +49,6 @@ def tensor_bytes(tensors) -> int:
         local = t.to_local() if hasattr(t, "to_local") else t
         total += local.numel() * local.element_size()
     return total
-
-
-def _by_mesh(params) -> list[list[torch.Tensor]]:
-    """Parameters with gradients, grouped so foreach kernels never mix plain tensors and DTensors of
-    different meshes (tensor parallel leaves norms plain and shards linears)."""
-    groups: dict = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
-    return list(groups.values())
-
-
-def clip_with_norm(params, max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale every gradient by min(1, max_norm / total_norm), group by group."""
-    for group in _by_mesh(params):
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm.to(group[0].grad.dtype), foreach=True)
-
-
-def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """2-norm over all gradients; DTensor gradients (FSDP/TP shards) are reduced over their meshes."""
-    groups = _by_mesh(params)
-    if not groups:
-        return torch.zeros((), dtype=torch.float64)
-    squares = []
-    for group in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        squares.append(norm.double() ** 2)
-    return torch.stack(squares).sum().sqrt()
 
 
 class DataParallel:
@@ -92,7 +65,7 @@ class DataParallel:
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """AdamW over the model's parameters, norms without weight decay."""
-        return build_adamw(model, self.cfg.train, self.device)
+        return build_adamw(model, self.cfg.optim, self.device)
 
     def grad_sync(self, model: nn.Module, enabled: bool):
         """Context for one backward; `enabled=False` defers gradient synchronisation (here there is none)."""
@@ -102,7 +75,7 @@ class DataParallel:
         """Clip gradients to `max_norm` (0: no clipping); return the total gradient norm before clipping.
 
         Given the `optimizer` about to step and it is torch's fused AdamW over plain tensors, the scaling
-        is left to its kernel (`fourfold.train.optim.fold_clip`); the gradients are then scaled during
+        is left to its kernel (`fourfold.optim.fold_clip`); the gradients are then scaled during
         `optimizer.step()` instead of here.
         """
         params = [p for p in model.parameters() if p.grad is not None]
@@ -163,7 +136,7 @@ class DDP(DataParallel):
                                                   bucket_cap_mb=p.bucket_mb, gradient_as_bucket_view=True,
                                                   broadcast_buffers=False)
         if p.hierarchical_allreduce:
-            from fourfold.parallel.hierarchical import HierarchicalState, hierarchical_allreduce_hook
+            from fourfold.parallel.ddp_hierarchical import HierarchicalState, hierarchical_allreduce_hook
 
             per_node = p.gpus_per_node or _local_world_size()
             ddp.register_comm_hook(HierarchicalState(self.mesh.node_mesh(per_node)), hierarchical_allreduce_hook)
@@ -193,8 +166,8 @@ class Zero1(DDP):
         """A ZeroRedundancyOptimizer (AdamW, norms without weight decay) sharding its state over the fsdp group."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        groups = decay_groups(model, self.cfg.train.weight_decay)
-        kwargs = adamw_kwargs(self.cfg.train, self.device)
+        groups = decay_groups(model, self.cfg.optim.weight_decay)
+        kwargs = adamw_kwargs(self.cfg.optim, self.device)
         kwargs.pop("foreach", None)
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                       process_group=self.mesh.group("fsdp"), parameters_as_bucket_view=False,

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fourfold.errors import CheckpointError
-from fourfold.train.checkpoint_state import (flatten_optimizer, full_model_state, full_optimizer_state,
+from fourfold.checkpoint.state import (flatten_optimizer, full_model_state, full_optimizer_state,
                                              set_full_state, unflatten_optimizer)
 
 

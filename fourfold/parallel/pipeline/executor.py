@@ -36,8 +36,8 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fourfold.errors import LayoutError
-from fourfold.parallel.schedules import Action, TimedAction, add_communication, build_schedule
-from fourfold.parallel.timeline import measured_bubble
+from fourfold.parallel.pipeline.schedules import Action, TimedAction, add_communication, build_schedule
+from fourfold.parallel.pipeline.timeline import measured_bubble
 
 __all__ = ["PipelineExecutor", "measured_bubble", "forward_only_schedule"]
 

@@ -1,4 +1,4 @@
-"""AdamW with decay groups, and the warmup + cosine learning-rate schedule."""
+"""AdamW with decay groups, clipping folded into the fused kernel, and the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from fourfold.config import TrainConfig
+from fourfold.config import OptimConfig
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -20,7 +20,7 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def adamw_kwargs(cfg: TrainConfig, device: torch.device) -> dict:
+def adamw_kwargs(cfg: OptimConfig, device: torch.device) -> dict:
     """AdamW arguments; the fused implementation where the device supports it (CUDA), foreach otherwise."""
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if device.type == "cuda":
@@ -30,7 +30,7 @@ def adamw_kwargs(cfg: TrainConfig, device: torch.device) -> dict:
     return kwargs
 
 
-def build_adamw(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_adamw(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW over `model` with decay groups and the config's hyperparameters (fused on CUDA)."""
     return torch.optim.AdamW(decay_groups(model, cfg.weight_decay), **adamw_kwargs(cfg, device))
 
@@ -59,11 +59,11 @@ def fold_clip(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max_no
     optimizer.grad_scale = torch.clamp(divisor, min=1.0)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine down to min_lr_ratio * lr."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
+    span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
@@ -73,18 +73,3 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the learning rate of every parameter group."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def clip_across_stages(params, max_norm: float, pp_group) -> torch.Tensor:
-    """Clip by the global gradient norm over all pipeline stages (each stage holds some parameters)."""
-    import torch.distributed as dist
-
-    from fourfold.parallel.data import clip_with_norm, total_grad_norm
-
-    with_grad = [p for p in params if p.grad is not None]
-    squared = (total_grad_norm(with_grad).double() ** 2).reshape(1).to(with_grad[0].device if with_grad else "cpu")
-    dist.all_reduce(squared, group=pp_group)
-    total = squared.sqrt()[0]
-    if max_norm > 0 and with_grad:
-        clip_with_norm(with_grad, max_norm, total)
-    return total

@@ -13,7 +13,7 @@ and waits for a received tensor only when a compute needs it.
 `simulate` times all ranks' lists under NCCL's rules (each rank's batches run in order; a send
 finishes only once its receiver has posted the receive), which are stricter than gloo's, so a set of
 lists it completes runs on both without deadlock. The same timed lists draw the ideal timeline
-(fourfold.parallel.timeline).
+(fourfold.parallel.pipeline.timeline).
 """
 
 from __future__ import annotations
