@@ -21,6 +21,14 @@ from fourfold.config import Config
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
+def master_dtype(precision: str) -> torch.dtype:
+    """The dtype parameters, gradients and optimizer state are stored in: float64 for fp64 runs, else float32.
+
+    bf16 and fp16 compute under autocast from float32 master weights; this is the one place that says so.
+    """
+    return torch.float64 if precision == "fp64" else torch.float32
+
+
 @dataclass
 class PrecisionPolicy:
     """How a layout computes: the autocast dtype (None = off) and FSDP's parameter and reduce dtypes."""

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import torch
 
+from fourfold.checkpoint.store import latest_checkpoint, load_checkpoint
 from fourfold.config import Config, build_config
 from fourfold.errors import CheckpointError
 from fourfold.infer.kv_cache import KVCache, cached_forward
 from fourfold.infer.sampling import sample_next
 from fourfold.models.llama import Llama
+from fourfold.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -28,7 +30,6 @@ class SamplingOptions:
 
 def find_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or the newest checkpoint of a run directory."""
-    from fourfold.checkpoint.store import latest_checkpoint
 
     p = Path(path)
     if (p / "meta.json").is_file():
@@ -42,7 +43,6 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def load_for_inference(path: str | Path, device: torch.device) -> tuple[Llama, Config]:
     """Build the model a checkpoint was trained with and load its weights (safetensors, no pickle)."""
-    from fourfold.checkpoint.store import load_checkpoint
 
     ckpt = find_checkpoint(path)
     try:
@@ -84,7 +84,6 @@ def generate(model: Llama, prompt_ids: list[int], options: SamplingOptions, devi
 
 def generate_text(checkpoint: str | Path, prompt: str, options: SamplingOptions, device: torch.device) -> str:
     """Load a checkpoint (or a run directory's newest) and return a sampled continuation of `prompt` as text."""
-    from fourfold.tokenizer import load_tokenizer
 
     model, cfg = load_for_inference(checkpoint, device)
     tok = load_tokenizer(cfg.data.tokenizer)

@@ -23,6 +23,10 @@ from torch import nn
 
 from fourfold.config import Config
 from fourfold.mesh import ParallelMesh
+from fourfold.parallel.context import apply_context_parallel
+from fourfold.parallel.tensor import apply_tensor_parallel
+from fourfold.quant.float8 import apply_float8
+from fourfold.recompute import apply_recompute
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -34,20 +38,12 @@ def compile_blocks(model: nn.Module) -> None:
 def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: Config, dp) -> nn.Module:
     """Apply every parallel dimension of `cfg` to `model` (one pipeline chunk or the whole model)."""
     if mesh.size("tp") > 1:
-        from fourfold.parallel.tensor import apply_tensor_parallel
-
         apply_tensor_parallel(model, mesh.get("tp"), cfg.parallel.sequence_parallel)
     if mesh.size("cp") > 1:
-        from fourfold.parallel.context import apply_context_parallel
-
         apply_context_parallel(model, mesh.get("cp"), cfg.parallel.cp_method)
     if cfg.quant.float8:
-        from fourfold.quant.float8 import apply_float8
-
         apply_float8(model)
     if cfg.compute.recompute != "none":
-        from fourfold.recompute import apply_recompute
-
         apply_recompute(model, cfg.compute.recompute)
     if cfg.compute.compile and cfg.compute.compile_memory_budget < 1:
         import torch._functorch.config as functorch_config

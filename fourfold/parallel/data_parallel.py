@@ -1,7 +1,6 @@
 """Data parallelism: how gradients are synchronised and where parameters and optimizer state live.
 
 The trainer talks to one `DataParallel` object and never to DDP/FSDP directly:
-
     dp = build_data_parallel(mesh, cfg, device)
     model = dp.wrap(model)                    # last step of fourfold.parallel.apply.parallelize
     optimizer = dp.build_optimizer(model)
@@ -35,9 +34,11 @@ from torch import nn
 from fourfold.config import Config
 from fourfold.layout import data_parallel_strategy
 from fourfold.mesh import ParallelMesh
-from fourfold.precision import DTYPES
 from fourfold.optim import adamw_kwargs, build_adamw, decay_groups, fold_clip, folds_clipping
+from fourfold.parallel.ddp_hierarchical import HierarchicalState, hierarchical_allreduce_hook
+from fourfold.parallel.fsdp import apply_fsdp
 from fourfold.parallel.grad_norm import clip_with_norm, total_grad_norm
+from fourfold.precision import DTYPES
 
 
 def tensor_bytes(tensors) -> int:
@@ -136,8 +137,6 @@ class DDP(DataParallel):
                                                   bucket_cap_mb=p.bucket_mb, gradient_as_bucket_view=True,
                                                   broadcast_buffers=False)
         if p.hierarchical_allreduce:
-            from fourfold.parallel.ddp_hierarchical import HierarchicalState, hierarchical_allreduce_hook
-
             per_node = p.gpus_per_node or _local_world_size()
             ddp.register_comm_hook(HierarchicalState(self.mesh.node_mesh(per_node)), hierarchical_allreduce_hook)
         elif p.reduce_dtype != "fp32":
@@ -188,7 +187,6 @@ class FSDP(DataParallel):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model sharded with FSDP2 over the data mesh (a 2-D HSDP mesh when dp > 1 and fsdp or cp > 1)."""
-        from fourfold.parallel.fsdp import apply_fsdp
 
         p = self.cfg.parallel
         reshard = p.reshard_after_forward and not (p.fsdp > 1 and p.zero == 2)

@@ -57,8 +57,9 @@ import torch
 
 from fourfold.config import Config
 from fourfold.layout import grad_accumulation_steps
+from fourfold.parallel.pipeline.schedules import SCHEDULES
 from fourfold.plan.layout import ParamShape
-from fourfold.precision import DTYPES, PrecisionPolicy
+from fourfold.precision import DTYPES, PrecisionPolicy, master_dtype
 from fourfold.recompute import recomputed_blocks
 
 
@@ -197,7 +198,7 @@ def loss_bytes(sh: Shapes, chunk: int, tp: int, compiled: bool = False) -> tuple
 def tensor_shapes(cfg: Config, strategy: str) -> Shapes:
     """Per-rank tensor sizes, dtypes and the attention kernel for `cfg` under data-parallel `strategy`."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    master = torch.float64 if cfg.compute.precision == "fp64" else torch.float32
+    master = master_dtype(cfg.compute.precision)
     compute = DTYPES[p.param_dtype] if strategy == "fsdp" and p.param_dtype != "fp32" else master
     autocast = autocast_dtype(cfg)
     linear = autocast or compute
@@ -270,7 +271,6 @@ def pipeline_peak(cfg: Config, pp_rank: int, per_chunk: list[int]) -> tuple[int,
     p = cfg.parallel
     if p.pp == 1:
         return sum(per_chunk), 1
-    from fourfold.parallel.pipeline.schedules import SCHEDULES
 
     n_micro = p.pp_microbatches or grad_accumulation_steps(cfg)
     held = peak = units = peak_units = 0

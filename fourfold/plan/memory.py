@@ -45,12 +45,17 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fourfold.config import Config
+from fourfold.distributed import pick_device
 from fourfold.errors import ConfigError
 from fourfold.layout import data_parallel_strategy, validate_layout
+from fourfold.models.llama import Llama
+from fourfold.precision import master_dtype
+from fourfold.ops.cross_entropy import cross_entropy
 from fourfold.plan.activations import (DTYPES, autocast_dtype, chunk_activations, device_type, dtype_size,
                                        loss_bytes, pipeline_peak, tensor_shapes)
 from fourfold.plan.layout import (chunk_parameters, fsdp_rows, fsdp_shard_group, rank_chunks, rank_coordinates,
                                   rank_of, zero1_partition)
+from fourfold.recompute import apply_recompute, saved_activation_bytes
 from fourfold.units import format_bytes
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "workspace")
@@ -320,10 +325,6 @@ def measure_saved_activations(cfg: Config, device: str | torch.device | None = N
     `fourfold.recompute.saved_activation_bytes` (parameters and buffers excluded). Compare with
     `estimate_memory(cfg, 1).saved_for_backward`; this is how the activation formulas are calibrated.
     """
-    from fourfold.distributed import pick_device
-    from fourfold.models.llama import Llama
-    from fourfold.ops.cross_entropy import cross_entropy
-    from fourfold.recompute import apply_recompute, saved_activation_bytes
 
     p = cfg.parallel
     if p.dp * p.fsdp * p.tp * p.pp * p.cp != 1:
@@ -331,7 +332,7 @@ def measure_saved_activations(cfg: Config, device: str | torch.device | None = N
                           "degree to 1 (sharded layouts are measured through the trainer).")
     dev = torch.device(device) if device is not None else pick_device(cfg.compute.device)
     torch.manual_seed(cfg.train.seed)
-    model = Llama(cfg.model).to(dev, torch.float64 if cfg.compute.precision == "fp64" else torch.float32)
+    model = Llama(cfg.model).to(dev, master_dtype(cfg.compute.precision))
     apply_recompute(model, cfg.compute.recompute)
     shape = (cfg.train.micro_batch, cfg.train.seq_len)
     tokens = torch.randint(0, cfg.model.vocab_size, shape, device=dev)

@@ -15,15 +15,14 @@ import functools
 
 from fourfold.config import Config
 from fourfold.mesh import ParallelMesh
+from fourfold.ops.cross_entropy import cross_entropy
+from fourfold.parallel.tensor import compute_loss, loss_context
 
 
 def build_loss(cfg: Config, mesh: ParallelMesh):
     """(loss_fn(logits, targets) -> mean loss, loss_context() -> context manager) for this layout."""
     if mesh.size("tp") > 1:
-        from fourfold.parallel.tensor import compute_loss, loss_context
-
         return compute_loss, functools.partial(loss_context, True)
-    from fourfold.ops.cross_entropy import cross_entropy
 
     if cfg.compute.compile and cfg.compute.loss_chunk == 0:
         import torch

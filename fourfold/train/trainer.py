@@ -20,22 +20,29 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
+from fourfold.checkpoint.store import load_checkpoint, resolve_resume, save_checkpoint
 from fourfold.config import Config, to_toml
 from fourfold.distributed import DistEnv, init_distributed, world_from_env
 from fourfold.hardware import peak_flops, peak_memory_bytes, reset_peak_memory
 from fourfold.layout import grad_accumulation_steps, validate_layout
 from fourfold.mesh import ParallelMesh
-from fourfold.models.llama import Llama, parameter_counts, training_flops_per_token
-from fourfold.parallel.apply import parallelize
+from fourfold.models.llama import parameter_counts, training_flops_per_token
+from fourfold.optim import lr_at, set_lr
+from fourfold.parallel.build import build_model
+from fourfold.parallel.context import shard_batch as cp_shard
 from fourfold.parallel.data_parallel import build_data_parallel
+from fourfold.parallel.grad_norm import clip_across_stages
+from fourfold.parallel.pipeline import (PipelineExecutor, analytic_bubble, draw_timeline, pipeline_bubble,
+                                        write_chrome_trace)
 from fourfold.parallel.tensor import settle_partial_grads
 from fourfold.plan.memory import MEASURED_KEYS, estimate_memory
+from fourfold.plan.recompute_cost import recompute_summary, without_recompute
+from fourfold.precision import DynamicLossScaler, PrecisionPolicy, master_dtype
+from fourfold.train.dataset import build_data
 from fourfold.train.losses import build_loss
 from fourfold.train.metrics import MetricsWriter, TrainProgress
-from fourfold.units import format_bytes
-from fourfold.optim import lr_at, set_lr
-from fourfold.parallel.grad_norm import clip_across_stages
 from fourfold.train.step import StepContext, as_plain_tensor, evaluate, forward_backward
+from fourfold.units import format_bytes
 
 
 @dataclass
@@ -86,8 +93,6 @@ class Trainer:
         self._barrier()
 
     def _setup_data(self) -> None:
-        from fourfold.train.dataset import build_data
-
         dp_rank, dp_world = self.mesh.data_parallel_rank, self.mesh.data_parallel_size
         if self.is_main:
             build_data(self.cfg, dp_rank, dp_world, is_writer=True)
@@ -97,30 +102,22 @@ class Trainer:
 
     def _setup_model(self) -> None:
         cfg = self.cfg
-        model = Llama(cfg.model)  # same seed on every rank: identical initial weights before sharding
-        model.to(self.device, torch.float64 if cfg.compute.precision == "fp64" else torch.float32)
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
         self.dp = build_data_parallel(self.mesh, cfg, self.device)
+        chunks = build_model(cfg, self.mesh, self.dp, self.device)
         if self.mesh.size("pp") > 1:
-            from fourfold.parallel.pipeline import split_pipeline
-
-            chunks = split_pipeline(model, self.mesh.coord("pp"), self.mesh.size("pp"), cfg.parallel.vpp,
-                                    cfg.parallel.pp_layers)
-            self.chunks = [parallelize(c, self.mesh, cfg, self.dp) for c in chunks]
+            self.chunks = chunks
             self.model = nn.ModuleList(self.chunks)  # one module for the optimizer and clipping
         else:
             self.chunks = None
-            self.model = parallelize(model, self.mesh, cfg, self.dp)
+            self.model = chunks[0]
         self.optimizer = self.dp.build_optimizer(self.model)
-        from fourfold.precision import DynamicLossScaler, PrecisionPolicy
 
         self.precision = PrecisionPolicy.from_config(cfg, self.device)
         self.scaler = DynamicLossScaler(group=None) if cfg.compute.precision == "fp16" else None
         loss_fn, loss_context = build_loss(cfg, self.mesh)
         shard_batch = None
         if self.mesh.size("cp") > 1:
-            from fourfold.parallel.context import shard_batch as cp_shard
-
             cp_rank, cp = self.mesh.coord("cp"), self.mesh.size("cp")
             shard_batch = lambda x, y: cp_shard(x, y, cp_rank, cp)  # noqa: E731
         self.ctx = StepContext(
@@ -130,13 +127,11 @@ class Trainer:
         self.executor = self._build_executor() if self.chunks is not None else None
 
     def _build_executor(self):
-        from fourfold.parallel.pipeline import PipelineExecutor
-
         cfg, mesh = self.cfg, self.mesh
         seq = cfg.train.seq_len // mesh.size("cp")
         if mesh.size("tp") > 1 and cfg.parallel.sequence_parallel:
             seq //= mesh.size("tp")
-        act_dtype = torch.float64 if cfg.compute.precision == "fp64" else torch.float32
+        act_dtype = master_dtype(cfg.compute.precision)
         return PipelineExecutor(
             self.chunks, cfg.parallel.pp_schedule, mesh.coord("pp"), mesh.size("pp"), cfg.parallel.vpp,
             grad_accumulation_steps(cfg), mesh.group("pp"), self.ctx.loss_fn, self.device, act_dtype,
@@ -146,8 +141,6 @@ class Trainer:
         )
 
     def _resume(self, resume: bool | str) -> None:
-        from fourfold.checkpoint.store import load_checkpoint, resolve_resume
-
         path = resolve_resume(self.run_dir, resume)
         if path is None:
             self._log(f"[yellow]--resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting from step 0.[/]")
@@ -258,7 +251,6 @@ class Trainer:
 
     def _report_pipeline(self) -> None:
         """Measured vs analytic bubble of the last step, a Chrome trace and a timeline picture (rank 0)."""
-        from fourfold.parallel.pipeline import analytic_bubble, draw_timeline, pipeline_bubble, write_chrome_trace
 
         gathered: list = [None] * self.env.world_size
         dist.all_gather_object(gathered, self.executor.last_timeline)
@@ -328,7 +320,6 @@ class Trainer:
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (every rank takes part); returns its directory."""
-        from fourfold.checkpoint.store import save_checkpoint
 
         meta = {"step": self.step, "config": self.cfg.to_dict(), "data": self.train_batches.state_dict(),
                 "tokenizer": self.cfg.data.tokenizer}
@@ -358,8 +349,6 @@ class Trainer:
         if estimate is not None:
             self.console.print(estimate.table())
         if cfg.compute.recompute != "none" and estimate is not None:
-            from fourfold.plan.recompute_cost import recompute_summary, without_recompute
-
             baseline = self._memory_estimate(cfg=without_recompute(cfg))
             if baseline is not None:
                 self.console.print(recompute_summary(cfg, estimate, baseline).line())
