@@ -1,7 +1,7 @@
 """Every rule about a parallel layout, in one place, checked once before any process group exists.
 
     validate_layout(cfg, world_size)     # LayoutError saying what to change, or None
-    layout_sizes(cfg), data_parallel_strategy(cfg), grad_accumulation_steps(cfg)
+    layout_sizes(cfg), data_parallel_strategy(cfg.parallel), grad_accumulation_steps(cfg)
 
 Dimension order, outermost first: pp, dp, fsdp, cp, tp. Tensor parallel is innermost so its per-layer
 collectives stay between neighbouring ranks (the same node, the fastest links); pipeline is outermost
@@ -11,7 +11,7 @@ what these rules guarantee rather than re-checking them with their own words.
 
 from __future__ import annotations
 
-from fourfold.config import Config, ModelConfig
+from fourfold.config import Config, ModelConfig, ParallelConfig
 from fourfold.errors import LayoutError
 from fourfold.parallel.pipeline.schedules import build_schedule
 from fourfold.quant.float8 import require_torchao
@@ -31,9 +31,8 @@ def grad_accumulation_steps(cfg: Config) -> int:
     return t.global_batch // (t.micro_batch * p.dp * p.fsdp)
 
 
-def data_parallel_strategy(cfg: Config) -> str:
+def data_parallel_strategy(p: ParallelConfig) -> str:
     """'none', 'ddp', 'zero1' or 'fsdp': the strategy `fourfold.parallel.data_parallel.build_data_parallel` builds."""
-    p = cfg.parallel
     if p.dp * p.fsdp * p.cp == 1:
         return "none"
     if p.fsdp > 1 and p.zero == 1 and p.dp == 1 and p.tp == 1 and p.cp == 1:
@@ -75,7 +74,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise LayoutError(f"Context parallel splits each sequence into 2*cp={2 * p.cp} chunks (load balance); "
                           f"train.seq_len ({t.seq_len}) must be a multiple of {2 * p.cp}.")
-    strategy = data_parallel_strategy(cfg)
+    strategy = data_parallel_strategy(cfg.parallel)
     what = {"none": "a single data rank", "ddp": "DDP", "zero1": "ZeRO-1", "fsdp": "FSDP"}[strategy]
     if p.param_dtype != "fp32" and strategy != "fsdp":
         raise LayoutError(f"parallel.param_dtype ({p.param_dtype}) is FSDP's mixed-precision setting, but this "

@@ -22,7 +22,8 @@ def test_compile_scope_chooses_what_is_compiled(scope, tmp_path):
     cfg = tiny_config(tmp_path, **{"compute.compile": True, "compute.compile_scope": scope})
     model = Llama(cfg.model)
     names = [n for n, _ in model.named_parameters()]
-    model = parallelize(model, ParallelMesh.build(cfg), cfg, DataParallel(None, cfg, torch.device("cpu")))
+    model = parallelize(model, ParallelMesh.build(cfg), cfg.parallel, cfg.compute, cfg.quant,
+                        DataParallel(None, cfg.parallel, cfg.optim, torch.device("cpu")))
     assert _compiled(model) == (scope == "model")
     assert all(_compiled(block) == (scope == "blocks") for block in model.layers.values())
     assert [n for n, _ in model.named_parameters()] == names  # checkpoints keep their keys either way

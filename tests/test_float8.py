@@ -26,7 +26,8 @@ def test_block_linears_become_float8_and_the_head_and_names_stay(tmp_path):
     cfg = tiny_config(tmp_path, **{"compute.precision": "bf16", "quant.float8": True})
     model = Llama(cfg.model)
     names = [n for n, _ in model.named_parameters()]
-    model = parallelize(model, ParallelMesh.build(cfg), cfg, DataParallel(None, cfg, torch.device("cpu")))
+    model = parallelize(model, ParallelMesh.build(cfg), cfg.parallel, cfg.compute, cfg.quant,
+                        DataParallel(None, cfg.parallel, cfg.optim, torch.device("cpu")))
     linears = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert linears.pop("output") is torch.nn.Linear
     assert len(linears) == 7 * cfg.model.n_layers and set(linears.values()) == {Float8Linear}

@@ -25,7 +25,7 @@ def _model_with_grads(seed: int = 0) -> Llama:
 def test_folded_clip_matches_explicit_clip(max_norm):
     folded = _model_with_grads()
     explicit = _model_with_grads()  # the same model and gradients (deepcopy drops .grad)
-    dp = DataParallel(mesh=None, cfg=None, device=torch.device("cpu"))  # clipping uses neither
+    dp = DataParallel(mesh=None, parallel=None, optim=None, device=torch.device("cpu"))  # clipping uses neither
     opt_folded = torch.optim.AdamW(folded.parameters(), lr=1e-2, eps=0.1, fused=True)  # a large eps: the step depends on the gradient scale
     opt_explicit = torch.optim.AdamW(explicit.parameters(), lr=1e-2, eps=0.1, foreach=True)
     assert folds_clipping(opt_folded) and not folds_clipping(opt_explicit)

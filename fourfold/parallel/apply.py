@@ -1,6 +1,6 @@
 """Apply a layout to a model: tensor/sequence parallel, context parallel, float8, recomputation, compile, data parallel.
 
-    model = parallelize(model, mesh, cfg, dp)   # dp: fourfold.parallel.data_parallel.DataParallel
+    model = parallelize(model, mesh, cfg.parallel, cfg.compute, cfg.quant, dp)   # dp: a DataParallel
 
 The order matters, and is the one torchtitan uses:
 1. Tensor (and sequence) parallel first: it replaces weights with DTensors sharded on the tp mesh;
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fourfold.config import Config
+from fourfold.config import ComputeConfig, ParallelConfig, QuantConfig
 from fourfold.mesh import ParallelMesh
 from fourfold.parallel.context import apply_context_parallel
 from fourfold.parallel.tensor import apply_tensor_parallel
@@ -35,22 +35,23 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile()
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, cfg: Config, dp) -> nn.Module:
-    """Apply every parallel dimension of `cfg` to `model` (one pipeline chunk or the whole model)."""
+def parallelize(model: nn.Module, mesh: ParallelMesh, parallel: ParallelConfig, compute: ComputeConfig,
+                quant: QuantConfig, dp) -> nn.Module:
+    """Apply every parallel dimension and compute transform to `model` (one pipeline chunk or the whole model)."""
     if mesh.size("tp") > 1:
-        apply_tensor_parallel(model, mesh.get("tp"), cfg.parallel.sequence_parallel)
+        apply_tensor_parallel(model, mesh.get("tp"), parallel.sequence_parallel)
     if mesh.size("cp") > 1:
-        apply_context_parallel(model, mesh.get("cp"), cfg.parallel.cp_method)
-    if cfg.quant.float8:
+        apply_context_parallel(model, mesh.get("cp"), parallel.cp_method)
+    if quant.float8:
         apply_float8(model)
-    if cfg.compute.recompute != "none":
-        apply_recompute(model, cfg.compute.recompute)
-    if cfg.compute.compile and cfg.compute.compile_memory_budget < 1:
+    if compute.recompute != "none":
+        apply_recompute(model, compute.recompute)
+    if compute.compile and compute.compile_memory_budget < 1:
         import torch._functorch.config as functorch_config
 
-        functorch_config.activation_memory_budget = cfg.compute.compile_memory_budget
-    if cfg.compute.compile and cfg.compute.compile_scope == "model":
+        functorch_config.activation_memory_budget = compute.compile_memory_budget
+    if compute.compile and compute.compile_scope == "model":
         model.compile()  # one graph from tokens to logits (validate_layout allows it only on one GPU or DDP)
-    elif cfg.compute.compile:
+    elif compute.compile:
         compile_blocks(model)
     return dp.wrap(model)

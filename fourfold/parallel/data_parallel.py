@@ -1,7 +1,7 @@
 """Data parallelism: how gradients are synchronised and where parameters and optimizer state live.
 
 The trainer talks to one `DataParallel` object and never to DDP/FSDP directly:
-    dp = build_data_parallel(mesh, cfg, device)
+    dp = build_data_parallel(mesh, cfg.parallel, cfg.optim, device)
     model = dp.wrap(model)                    # last step of fourfold.parallel.apply.parallelize
     optimizer = dp.build_optimizer(model)
     with dp.grad_sync(model, enabled=is_last_micro_step): loss.backward()
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fourfold.config import Config
+from fourfold.config import OptimConfig, ParallelConfig
 from fourfold.layout import data_parallel_strategy
 from fourfold.mesh import ParallelMesh
 from fourfold.optim import adamw_kwargs, build_adamw, decay_groups, fold_clip, folds_clipping
@@ -57,8 +57,8 @@ class DataParallel:
 
     name = "none"
 
-    def __init__(self, mesh: ParallelMesh, cfg: Config, device: torch.device):
-        self.mesh, self.cfg, self.device = mesh, cfg, device
+    def __init__(self, mesh: ParallelMesh, parallel: ParallelConfig, optim: OptimConfig, device: torch.device):
+        self.mesh, self.parallel, self.optim, self.device = mesh, parallel, optim, device
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model prepared for this strategy (here unchanged)."""
@@ -66,7 +66,7 @@ class DataParallel:
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """AdamW over the model's parameters, norms without weight decay."""
-        return build_adamw(model, self.cfg.optim, self.device)
+        return build_adamw(model, self.optim, self.device)
 
     def grad_sync(self, model: nn.Module, enabled: bool):
         """Context for one backward; `enabled=False` defers gradient synchronisation (here there is none)."""
@@ -129,7 +129,7 @@ class DDP(DataParallel):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model in DistributedDataParallel over the dp group, with the hierarchical all-reduce hook if asked."""
-        p = self.cfg.parallel
+        p = self.parallel
         ids = [self.device.index] if self.device.type == "cuda" else None
         # broadcast_buffers off: the model's only buffers are the rotary tables, computed identically on every
         # rank, so broadcasting them before each forward would be a wasted collective and a sync point.
@@ -158,15 +158,15 @@ class Zero1(DDP):
         ids = [self.device.index] if self.device.type == "cuda" else None
         # Gradients as views into DDP's buckets: no second copy of the gradients.
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=self.mesh.group("fsdp"),
-                                                   bucket_cap_mb=self.cfg.parallel.bucket_mb,
+                                                   bucket_cap_mb=self.parallel.bucket_mb,
                                                    gradient_as_bucket_view=True, broadcast_buffers=False)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """A ZeroRedundancyOptimizer (AdamW, norms without weight decay) sharding its state over the fsdp group."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        groups = decay_groups(model, self.cfg.optim.weight_decay)
-        kwargs = adamw_kwargs(self.cfg.optim, self.device)
+        groups = decay_groups(model, self.optim.weight_decay)
+        kwargs = adamw_kwargs(self.optim, self.device)
         kwargs.pop("foreach", None)
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                       process_group=self.mesh.group("fsdp"), parameters_as_bucket_view=False,
@@ -188,7 +188,7 @@ class FSDP(DataParallel):
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model sharded with FSDP2 over the data mesh (a 2-D HSDP mesh when dp > 1 and fsdp or cp > 1)."""
 
-        p = self.cfg.parallel
+        p = self.parallel
         reshard = p.reshard_after_forward and not (p.fsdp > 1 and p.zero == 2)
         return apply_fsdp(model, self.mesh.hsdp_mesh(), p, reshard_after_forward=reshard)
 
@@ -206,7 +206,8 @@ def _local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def build_data_parallel(mesh: ParallelMesh, cfg: Config, device: torch.device) -> DataParallel:
+def build_data_parallel(mesh: ParallelMesh, parallel: ParallelConfig, optim: OptimConfig,
+                        device: torch.device) -> DataParallel:
     """The strategy the layout asks for (`fourfold.mesh.data_parallel_strategy`; table in the module docstring)."""
     classes = {"none": DataParallel, "ddp": DDP, "zero1": Zero1, "fsdp": FSDP}
-    return classes[data_parallel_strategy(cfg)](mesh, cfg, device)
+    return classes[data_parallel_strategy(parallel)](mesh, parallel, optim, device)

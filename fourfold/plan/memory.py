@@ -167,7 +167,7 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
     """The estimate for one global rank (the layout already validated)."""
     p, t = cfg.parallel, cfg.train
     coords = rank_coordinates(cfg, rank)
-    strategy = data_parallel_strategy(cfg)
+    strategy = data_parallel_strategy(cfg.parallel)
     sh = tensor_shapes(cfg, strategy)
     master = dtype_size(sh.master)
     chunks = rank_chunks(cfg, coords["pp"])
@@ -305,7 +305,7 @@ def estimate_memory(cfg: Config, world_size: int, rank: int | None = None) -> Me
     candidates = []
     for stage in range(p.pp):
         coords = {"pp": stage}
-        if data_parallel_strategy(cfg) == "zero1":
+        if data_parallel_strategy(cfg.parallel) == "zero1":
             flat = [prm for c in rank_chunks(cfg, stage) for prm in chunk_parameters(cfg, *c)]
             owner = zero1_partition(flat, p.fsdp)
             share = [sum(prm.numel for prm, o in zip(flat, owner) if o == r) for r in range(p.fsdp)]

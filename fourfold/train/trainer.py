@@ -103,8 +103,8 @@ class Trainer:
     def _setup_model(self) -> None:
         cfg = self.cfg
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
-        self.dp = build_data_parallel(self.mesh, cfg, self.device)
-        chunks = build_model(cfg, self.mesh, self.dp, self.device)
+        self.dp = build_data_parallel(self.mesh, cfg.parallel, cfg.optim, self.device)
+        chunks = build_model(cfg.model, cfg.parallel, cfg.compute, cfg.quant, self.mesh, self.dp, self.device)
         if self.mesh.size("pp") > 1:
             self.chunks = chunks
             self.model = nn.ModuleList(self.chunks)  # one module for the optimizer and clipping

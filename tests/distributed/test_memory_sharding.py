@@ -118,7 +118,7 @@ def test_strategy_is_the_one_the_prediction_models(results, world, tmp_path):
 
     classes = {"ddp": "DDP", "zero1": "Zero1", "fsdp": "FSDP"}
     for name in STRATEGIES:
-        predicted = classes[data_parallel_strategy(_config(tmp_path, world, name))]
+        predicted = classes[data_parallel_strategy(_config(tmp_path, world, name).parallel)]
         assert [r[name]["strategy"] for r in results(world)] == [predicted] * world, name
 
 
