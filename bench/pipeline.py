@@ -52,9 +52,10 @@ def run_group(vpp: int, schedules: list[str], args) -> None:
         for m in [int(x) for x in args.micro_batches.split(",")]:
             if schedule == "interleaved-1f1b" and m % 2:
                 continue
-            ex = PipelineExecutor(trainer.chunks, schedule, trainer.mesh.coord("pp"), 2, vpp, m,
-                                  trainer.mesh.group("pp"), trainer.ctx.loss_fn, trainer.device, torch.float32,
-                                  autocast=trainer.precision.autocast,
+            runner = trainer.runner  # the trainer's own stages, loss and autocast, under other schedules
+            ex = PipelineExecutor(runner.chunks, schedule, trainer.mesh.coord("pp"), 2, vpp, m,
+                                  trainer.mesh.group("pp"), runner.loss_fn, trainer.device, torch.float32,
+                                  autocast=runner.autocast,
                                   activation_shape=(args.micro_batch, args.seq, cfg.model.dim))
             batches = []
             for _ in range(m):

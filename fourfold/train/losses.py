@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
+
 from fourfold.config import Config
 from fourfold.mesh import ParallelMesh
 from fourfold.ops.cross_entropy import cross_entropy
@@ -25,8 +27,6 @@ def build_loss(cfg: Config, mesh: ParallelMesh):
         return compute_loss, functools.partial(loss_context, True)
 
     if cfg.compute.compile and cfg.compute.loss_chunk == 0:
-        import torch
-
         # Compiled, the upcast, log-softmax and their backward fuse into one pass each way over the
         # low-precision logits: no float32 copy of the logits is made or kept for backward.
         return torch.compile(cross_entropy, fullgraph=True), contextlib.nullcontext

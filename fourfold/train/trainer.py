@@ -11,6 +11,9 @@ same numbers as one process.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from torch import nn
 
 from fourfold.checkpoint.store import load_checkpoint, resolve_resume, save_checkpoint
 from fourfold.config import Config, to_toml
@@ -29,19 +31,12 @@ from fourfold.mesh import ParallelMesh
 from fourfold.models.llama import parameter_counts, training_flops_per_token
 from fourfold.optim import lr_at, set_lr
 from fourfold.parallel.build import build_model
-from fourfold.parallel.context import shard_batch as cp_shard
 from fourfold.parallel.data_parallel import build_data_parallel
-from fourfold.parallel.grad_norm import clip_across_stages
-from fourfold.parallel.pipeline import (PipelineExecutor, analytic_bubble, draw_timeline, pipeline_bubble,
-                                        write_chrome_trace)
-from fourfold.parallel.tensor import settle_partial_grads
 from fourfold.plan.memory import MEASURED_KEYS, estimate_memory
 from fourfold.plan.recompute_cost import recompute_summary, without_recompute
-from fourfold.precision import DynamicLossScaler, PrecisionPolicy, master_dtype
 from fourfold.train.dataset import build_data
-from fourfold.train.losses import build_loss
 from fourfold.train.metrics import MetricsWriter, TrainProgress
-from fourfold.train.step import StepContext, as_plain_tensor, evaluate, forward_backward
+from fourfold.train.runner import StepResult, StepRunner, build_runner
 from fourfold.units import format_bytes
 
 
@@ -64,7 +59,12 @@ def default_run_dir() -> Path:
 
 
 class Trainer:
-    """Owns the model, optimizer, data and metrics of one run."""
+    """Owns the data, the schedule, metrics and checkpoints of one run; its step runner owns the model.
+
+    The runner (`fourfold.train.runner`, picked once from the layout) computes each step's gradients;
+    the trainer sets the learning rate, steps the optimizer, logs, validates and checkpoints, the same
+    way for every layout.
+    """
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool | str = False, console: Console | None = None):
         self.cfg = cfg
@@ -105,47 +105,15 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
         self.dp = build_data_parallel(self.mesh, cfg.parallel, cfg.optim, self.device)
         chunks = build_model(cfg.model, cfg.parallel, cfg.compute, cfg.quant, self.mesh, self.dp, self.device)
-        if self.mesh.size("pp") > 1:
-            self.chunks = chunks
-            self.model = nn.ModuleList(self.chunks)  # one module for the optimizer and clipping
-        else:
-            self.chunks = None
-            self.model = chunks[0]
-        self.optimizer = self.dp.build_optimizer(self.model)
-
-        self.precision = PrecisionPolicy.from_config(cfg, self.device)
-        self.scaler = DynamicLossScaler(group=None) if cfg.compute.precision == "fp16" else None
-        loss_fn, loss_context = build_loss(cfg, self.mesh)
-        shard_batch = None
-        if self.mesh.size("cp") > 1:
-            cp_rank, cp = self.mesh.coord("cp"), self.mesh.size("cp")
-            shard_batch = lambda x, y: cp_shard(x, y, cp_rank, cp)  # noqa: E731
-        self.ctx = StepContext(
-            device=self.device, loss_fn=loss_fn, loss_context=loss_context, autocast=self.precision.autocast,
-            shard_batch=shard_batch, scale_loss=self.scaler.scale_loss if self.scaler else None,
-        )
-        self.executor = self._build_executor() if self.chunks is not None else None
-
-    def _build_executor(self):
-        cfg, mesh = self.cfg, self.mesh
-        seq = cfg.train.seq_len // mesh.size("cp")
-        if mesh.size("tp") > 1 and cfg.parallel.sequence_parallel:
-            seq //= mesh.size("tp")
-        act_dtype = master_dtype(cfg.compute.precision)
-        return PipelineExecutor(
-            self.chunks, cfg.parallel.pp_schedule, mesh.coord("pp"), mesh.size("pp"), cfg.parallel.vpp,
-            grad_accumulation_steps(cfg), mesh.group("pp"), self.ctx.loss_fn, self.device, act_dtype,
-            autocast=self.precision.autocast, scale_loss=self.ctx.scale_loss,
-            grad_sync=lambda i, last: self.dp.grad_sync(self.chunks[i], last),
-            activation_shape=(cfg.train.micro_batch, seq, cfg.model.dim),
-        )
+        self.runner: StepRunner = build_runner(cfg, self.mesh, self.dp, chunks, self.device)
+        self.model, self.optimizer, self.scaler = self.runner.model, self.runner.optimizer, self.runner.scaler
 
     def _resume(self, resume: bool | str) -> None:
         path = resolve_resume(self.run_dir, resume)
         if path is None:
             self._log(f"[yellow]--resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting from step 0.[/]")
             return
-        meta = load_checkpoint(path, self.chunks if self.chunks is not None else self.model, self.optimizer)
+        meta = load_checkpoint(path, self.runner.checkpoint_modules, self.optimizer)
         self.step = int(meta["step"])
         self.train_batches.load_state_dict(meta["data"])
         if self.scaler is not None and "loss_scaler" in meta:
@@ -161,20 +129,24 @@ class Trainer:
         if self.is_main:
             self.console.print(text)
 
-    def _global_mean(self, value: torch.Tensor) -> float:
-        """Average a per-rank scalar over the ranks that hold distinct data (tp/pp replicas count once)."""
-        if not dist.is_initialized():
-            return float(value)
-        t = value.detach().double().reshape(1).clone()
-        dist.all_reduce(t)
-        # Only last-stage ranks hold a loss under pipeline parallel; the others add zero.
-        return float(t) / (self.env.world_size // self.mesh.size("pp"))
+    # Names older callers use: the step's context (autocast, loss_fn) and the plain runner's gradient sync
+    # (tests/test_memory.py and tests/distributed/test_faults_and_accumulation.py read or replace them).
+    @property
+    def ctx(self) -> StepRunner:
+        """The step runner, which carries `autocast()` and `loss_fn` as the old step context did."""
+        return self.runner
 
-    def _grad_sync(self, enabled: bool):
-        return self.dp.grad_sync(self.model, enabled)
+    @property
+    def _grad_sync(self):
+        """The plain runner's `grad_sync(enabled)`: the data-parallel context around each backward."""
+        return self.runner.grad_sync
+
+    @_grad_sync.setter
+    def _grad_sync(self, grad_sync) -> None:
+        self.runner.grad_sync = grad_sync
 
     # ----- the loop -----------------------------------------------------------------------------
-    def train_step(self, micro: list | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def train_step(self, micro: list | None = None) -> StepResult:
         """One optimizer step: returns (mean loss on this rank, gradient norm, skipped) as tensors/flags.
 
         `micro`: this rank's (inputs, targets) micro-batches for the step; by default the next ones from
@@ -184,29 +156,11 @@ class Trainer:
         set_lr(self.optimizer, lr_at(self.step, cfg.optim, cfg.train.steps))
         if micro is None:
             micro = self.train_batches.next_step()
-        if self.executor is not None:
-            if self.ctx.shard_batch is not None:
-                micro = [self.ctx.shard_batch(x, y) for x, y in micro]
-            with self.ctx.loss_context():
-                loss = self.executor.step(micro)
-            loss = as_plain_tensor(loss) if loss is not None else torch.zeros((), device=self.device)
-        else:
-            loss = forward_backward(self.model, micro, self.ctx, self._grad_sync)
-        if self.mesh.size("tp") > 1:
-            settle_partial_grads(self.model.parameters())
-        skipped = False
-        if self.scaler is not None:
-            skipped = self.scaler.unscale_and_check(list(self.model.parameters()))
-        if self.mesh.size("pp") > 1:
-            grad_norm = clip_across_stages(self.model.parameters(), cfg.optim.grad_clip, self.mesh.group("pp"))
-        else:
-            grad_norm = self.dp.clip_grad_norm(self.model, cfg.optim.grad_clip, self.optimizer)
-        if not skipped:
+        result = self.runner.step(micro)
+        if not result.skipped:
             self.optimizer.step()
-        if self.scaler is not None:
-            self.scaler.update(skipped)
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm, skipped
+        return result
 
     def run(self, until: int | None = None) -> TrainSummary:
         """Train to cfg.train.steps (or stop early after step `until`, as an interrupted run would)."""
@@ -241,37 +195,22 @@ class Trainer:
                     self.save()
                     t_last = time.perf_counter()
                 progress.update(self.step, record)
-            if self.executor is not None:
-                self._report_pipeline()
+            self._report_runner()
         finally:
             progress.close()
             if self.metrics is not None:
                 self.metrics.close()
         return summary
 
-    def _report_pipeline(self) -> None:
-        """Measured vs analytic bubble of the last step, a Chrome trace and a timeline picture (rank 0)."""
-
-        gathered: list = [None] * self.env.world_size
-        dist.all_gather_object(gathered, self.executor.last_timeline)
-        if not self.is_main:
+    def _report_runner(self) -> None:
+        """The runner's end-of-run report (e.g. the pipeline bubble), into the metrics and onto the console."""
+        report = self.runner.report(self.run_dir)
+        if report is None:
             return
-        stages = sorted((self.mesh.coords_of(r)["pp"], r) for r in range(self.env.world_size)
-                        if all(self.mesh.coords_of(r)[d] == 0 for d in ("dp", "fsdp", "cp", "tp")))
-        per_rank = [gathered[r] for _, r in stages]
-        p = self.cfg.parallel
-        measured = pipeline_bubble(per_rank)
-        analytic = analytic_bubble(p.pp_schedule, p.pp, p.vpp, self.executor.n_micro)
-        write_chrome_trace(per_rank, self.run_dir / "pp_trace.json")
-        try:
-            draw_timeline(per_rank, self.run_dir / "pp_timeline.png",
-                          f"{p.pp_schedule}: pp={p.pp} vpp={p.vpp} m={self.executor.n_micro}, bubble {measured:.1%}")
-        except ImportError as e:
-            self._log(f"[yellow]No timeline picture: {e}[/]")
-        if self.metrics is not None:
-            self.metrics.write({"step": self.step, "pp_bubble_measured": measured, "pp_bubble_analytic": analytic})
-        self._log(f"pipeline bubble: measured {measured:.1%}, analytic {analytic:.1%} "
-                  f"(trace {self.run_dir / 'pp_trace.json'}, picture {self.run_dir / 'pp_timeline.png'})")
+        if self.metrics is not None and report.record:
+            self.metrics.write({"step": self.step, **report.record})
+        for line in report.lines:
+            self._log(line)
 
     def _record(self, loss, grad_norm, skipped, tokens, elapsed) -> dict:
         tokens_per_s = tokens / max(elapsed, 1e-9)
@@ -279,7 +218,7 @@ class Trainer:
         mfu = self.flops_per_token * tokens_per_s / (peak * self.env.world_size) if peak else None
         record = {
             "step": self.step,
-            "loss": self._global_mean(loss),
+            "loss": self.runner.global_mean(loss),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens_per_s,
@@ -296,23 +235,8 @@ class Trainer:
 
     def _validate(self) -> float:
         self.model.eval()
-        if self.executor is not None:
-            n = self.executor.n_micro
-            batches = [self.val_batches[i % len(self.val_batches)] for i in range(max(n, len(self.val_batches)))]
-            if self.ctx.shard_batch is not None:
-                batches = [self.ctx.shard_batch(x, y) for x, y in batches]
-            total = torch.zeros((), device=self.device)
-            groups = [batches[i:i + n] for i in range(0, len(batches) - n + 1, n)]
-            with self.ctx.loss_context():
-                for group in groups:
-                    out = self.executor.evaluate(group)
-                    total += as_plain_tensor(out) if out is not None else 0.0
-            val = self._global_mean(total / len(groups))
-        else:
-            val = self._global_mean(evaluate(self.model, self.val_batches, self.ctx))
+        val = self.runner.global_mean(self.runner.evaluate(self.val_batches))
         self.model.train()
-        import math
-
         if self.metrics is not None:
             self.metrics.write({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
         self._log(f"step {self.step}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50.0)):.2f}")
@@ -325,11 +249,9 @@ class Trainer:
                 "tokenizer": self.cfg.data.tokenizer}
         if self.scaler is not None:
             meta["loss_scaler"] = self.scaler.state_dict()
-        writer = all(self.mesh.coord(d) == 0 for d in ("dp", "fsdp", "cp", "tp"))
-        shard = f"stage{self.mesh.coord('pp')}" if self.mesh.size("pp") > 1 else "model"
-        model = self.chunks if self.chunks is not None else self.model
-        return save_checkpoint(self.run_dir, self.step, model, self.optimizer, meta, self.cfg.checkpoint.keep,
-                               writer=writer, shard_name=shard)
+        writer, shard = self.runner.checkpoint_shard
+        return save_checkpoint(self.run_dir, self.step, self.runner.checkpoint_modules, self.optimizer, meta,
+                               self.cfg.checkpoint.keep, writer=writer, shard_name=shard)
 
     def _print_start(self) -> None:
         if not self.is_main:
@@ -391,9 +313,6 @@ def train(cfg: Config, out_dir: str | Path | None = None, resume: bool | str = F
 @contextlib.contextmanager
 def quiet_nonzero_ranks():
     """Silence stdout on ranks other than 0 (their errors still go to stderr)."""
-    import os
-    import sys
-
     if int(os.environ.get("RANK", "0")) == 0:
         yield
         return

@@ -9,7 +9,8 @@
     draw_timeline(gathered_timelines, run_dir / "pp_timeline.png", "1f1b")
 
 The pieces live beside this file: schedules.py (action lists, analytic bubble, simulator),
-pipeline_split.py (stages), pipeline_exec.py (the executor) and timeline.py (bubble, trace, picture).
+split.py (stages), executor.py (the executor) and timeline.py (bubble, trace, picture). The trainer
+drives the executor through `fourfold.train.runner.PipelineRunner`.
 """
 
 from fourfold.parallel.pipeline.executor import PipelineExecutor, forward_only_schedule
