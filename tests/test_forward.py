@@ -42,11 +42,11 @@ def test_logits_for_runs_the_head_on_chosen_tokens_only():
     model = tiny_model()
     tokens = torch.randint(0, 64, (3, 8))
     full = model(tokens)
-    head_rows = []
-    model.output.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[0]))
-    chosen = torch.tensor([7, 8 + 2, 16 + 5])  # last of row 0, third of row 1, sixth of row 2
+    head_inputs = []
+    model.output.register_forward_hook(lambda module, args, out: head_inputs.append(tuple(args[0].shape)))
+    chosen = torch.tensor([7, 8 + 2, 8 + 7, 16 + 5])  # last of row 0, third and last of row 1, sixth of row 2
     logits = model(tokens, logits_for=chosen)
-    assert logits.shape == (3, 64) and head_rows == [3]
+    assert logits.shape == (4, 64) and head_inputs == [(4, 32)]
     torch.testing.assert_close(logits, full.flatten(0, 1)[chosen], rtol=1e-12, atol=1e-12)
 
 
