@@ -80,7 +80,7 @@ def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` (batch, seq, heads, head_dim) by per-token angles; cos/sin are (seq, head_dim) or (batch, seq, head_dim)."""
+    """Rotate `x` (batch, seq, heads, head_dim) by per-token angles; cos/sin are ([batch,] seq, head_dim)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     cos = cos.unsqueeze(-2).to(x.dtype)  # broadcast over heads
