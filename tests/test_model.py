@@ -89,25 +89,29 @@ def test_llama3_frequency_scaling_keeps_high_and_slows_low_frequencies():
     assert torch.all(scaled <= plain + 1e-15)
 
 
-def test_matches_hugging_face_llama():
+HF_BLOCK_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+                  "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+                  "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+                  "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+                  "ffn_norm": "post_attention_layernorm"}
+
+
+def hugging_face_twin(ours: Llama):
+    """A transformers LlamaForCausalLM with `ours`'s config and weights (same dtype), in eval mode."""
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = small_cfg()
-    ours = Llama(cfg).double()
+    cfg = ours.cfg
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-    hf = transformers.LlamaForCausalLM(hf_cfg).double().eval()
-    names = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
-             "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    dtype = next(ours.parameters()).dtype
+    hf = transformers.LlamaForCausalLM(hf_cfg).to(dtype).eval()
     hf_state = {}
     for k, v in ours.state_dict().items():
         if k.startswith("layers."):
             _, i, rest = k.split(".", 2)
-            for a, b in names.items():
+            for a, b in HF_BLOCK_NAMES.items():
                 rest = rest.replace(a, b)
             hf_state[f"model.layers.{i}.{rest}"] = v
         elif k == "tok_embeddings.weight":
@@ -118,6 +122,13 @@ def test_matches_hugging_face_llama():
             hf_state["lm_head.weight"] = v
     missing, unexpected = hf.load_state_dict(hf_state, strict=False)
     assert not unexpected and all("rotary" in m for m in missing)
+    return hf
+
+
+def test_matches_hugging_face_llama():
+    torch.manual_seed(0)
+    ours = Llama(small_cfg()).double()
+    hf = hugging_face_twin(ours)
     x = torch.randint(0, 64, (2, 16))
     # float64 weights; both models keep float32 rotary tables, hence 1e-7 rather than 1e-12.
     torch.testing.assert_close(ours(x), hf(x).logits, rtol=1e-6, atol=1e-7)

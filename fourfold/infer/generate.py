@@ -11,7 +11,7 @@ import torch
 from fourfold.checkpoint.store import latest_checkpoint, load_checkpoint
 from fourfold.config import Config, build_config
 from fourfold.errors import CheckpointError
-from fourfold.infer.kv_cache import KVCache, cached_forward
+from fourfold.infer.kv_cache import KVCache
 from fourfold.infer.sampling import sample_next
 from fourfold.models.llama import Llama
 from fourfold.tokenizer import load_tokenizer
@@ -57,29 +57,62 @@ def load_for_inference(path: str | Path, device: torch.device) -> tuple[Llama, C
     return model.to(device).eval(), cfg
 
 
+def pad_prompts(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (batch, longest), lengths (batch,)): the prompts right-padded with token 0."""
+    longest = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = torch.tensor(prompt, device=device)
+    return tokens, torch.tensor([len(p) for p in prompts], device=device)
+
+
 @torch.no_grad()
+def generate_batch(model: Llama, prompts: list[list[int]], options: SamplingOptions, device: torch.device,
+                   eos_id: int | None = None) -> list[list[int]]:
+    """Continue several prompts together (any lengths); each gets its generated ids, prompt excluded.
+
+    A sequence stops at eos, after max_new_tokens, or when it fills the model's context; the batch runs
+    until every sequence has stopped. One forward per step over the whole batch, through the model's
+    own forward with a contiguous KV cache; the head runs only on each sequence's newest token.
+    """
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    limit = model.cfg.max_seq_len
+    prompts = [list(p)[-(limit - 1):] for p in prompts]
+    tokens, lengths = pad_prompts(prompts, device)
+    batch, longest = tokens.shape
+    cache_len = min(limit, longest + options.max_new_tokens)
+    cache = KVCache(len(model.layers), batch, cache_len)
+    gen = torch.Generator(device=device).manual_seed(options.seed)
+    rows = torch.arange(batch, device=device)
+
+    positions = torch.arange(longest, device=device).expand(batch, -1)
+    logits = model(tokens, positions, cache=cache.step(positions), logits_for=rows * longest + lengths - 1)
+    outs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * batch
+    while True:
+        nxt = sample_next(logits, options.temperature, options.top_k, options.top_p, gen)
+        for row, token in enumerate(nxt.tolist()):
+            if done[row]:
+                continue
+            outs[row].append(token)
+            next_position = len(prompts[row]) + len(outs[row]) - 1  # where the new token goes
+            done[row] = (token == eos_id or len(outs[row]) >= options.max_new_tokens
+                         or next_position >= cache_len)
+        if all(done):
+            return outs
+        # Each sequence feeds its newest token at its own position; stopped ones rewrite their last slot.
+        fed = torch.tensor([len(p) + len(o) - 1 for p, o in zip(prompts, outs)], device=device)
+        positions = fed.clamp(max=cache_len - 1)[:, None]
+        logits = model(nxt[:, None], positions, cache=cache.step(positions), logits_for=rows)
+
+
 def generate(model: Llama, prompt_ids: list[int], options: SamplingOptions, device: torch.device,
              eos_id: int | None = None) -> list[int]:
     """Prompt ids in, generated ids out (prompt excluded), stopping at eos or max_new_tokens."""
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
-    prompt_ids = prompt_ids[-(model.cfg.max_seq_len - 1):]
-    cache_len = min(model.cfg.max_seq_len, len(prompt_ids) + options.max_new_tokens)
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(model, 1, cache_len, device, dtype)
-    gen = torch.Generator(device=device).manual_seed(options.seed)
-    tokens = torch.tensor([prompt_ids], device=device)
-    logits = cached_forward(model, tokens, cache, 0)
-    pos, out = tokens.shape[1], []
-    while True:
-        nxt = sample_next(logits, options.temperature, options.top_k, options.top_p, gen)
-        out.append(int(nxt))
-        done = eos_id is not None and out[-1] == eos_id
-        if done or len(out) >= options.max_new_tokens or pos >= cache_len:
-            break
-        logits = cached_forward(model, nxt.view(1, 1), cache, pos)
-        pos += 1
-    return out
+    return generate_batch(model, [prompt_ids], options, device, eos_id)[0]
 
 
 def generate_text(checkpoint: str | Path, prompt: str, options: SamplingOptions, device: torch.device) -> str:

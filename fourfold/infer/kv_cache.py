@@ -1,7 +1,19 @@
-"""A simple contiguous KV cache and the cached forward pass of the Llama model, for generation.
+"""A contiguous KV cache for generation: per layer one (batch, kv_heads, max_len, head_dim) buffer, written by position.
 
-The forward reuses the model's own modules (norms, projections, MLP, rotary tables); only attention
-reads keys and values from the cache. The paged cache and batching engine are a later addition.
+It implements the model's attention-cache seam (fourfold.models.attention): the model runs its own
+forward, and each block's attention hands this step's keys and values to the cache.
+
+    cache = KVCache(n_layers=len(model.layers), batch=2, max_len=64)
+    positions = torch.arange(s).expand(2, s)           # per-token positions, one row per sequence
+    logits = model(tokens, positions, cache=cache.step(positions), logits_for=last)
+
+A token's keys and values go to its sequence's row at its position, and a query attends to the
+keys at positions up to and including its own. So sequences of different lengths share a batch:
+right-pad the shorter prompts (their padding writes slots that the sequence's own later tokens
+overwrite before any query can see them), then feed each sequence's next token at its own position.
+Buffers are allocated on first use with the keys' dtype, device and head count, so the cache follows
+whatever the model computes in (and a tensor-parallel rank caches only its own heads).
+The paged cache with continuous batching is the inference engine's; this one is for `generate`.
 """
 
 from __future__ import annotations
@@ -9,48 +21,54 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fourfold.models.llama import Llama, apply_rotary
-
 
 class KVCache:
-    """Keys and values of every layer for `batch` sequences of up to `max_len` tokens."""
+    """Keys and values of every layer for `batch` sequences of up to `max_len` positions."""
 
-    def __init__(self, model: Llama, batch: int, max_len: int, device, dtype):
-        cfg = model.cfg
-        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.max_len = max_len
+    def __init__(self, n_layers: int, batch: int, max_len: int):
+        self.batch, self.max_len = batch, max_len
+        self.keys: list[torch.Tensor | None] = [None] * n_layers
+        self.values: list[torch.Tensor | None] = [None] * n_layers
 
-    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v (b, hkv, s, d) at positions start..start+s; return the cached keys/values so far."""
-        end = start + k.shape[2]
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+    def step(self, positions: torch.Tensor) -> ContiguousCacheStep:
+        """The attention cache for one forward over tokens at `positions` ((batch, seq), or (seq,) for every row)."""
+        if positions.dim() == 1:
+            positions = positions.expand(self.batch, -1)
+        if positions.dim() != 2 or positions.shape[0] != self.batch:
+            raise ValueError(f"positions must be (batch={self.batch}, seq), got shape {tuple(positions.shape)}")
+        if int(positions.max()) >= self.max_len or int(positions.min()) < 0:
+            raise ValueError(f"positions must lie in 0..{self.max_len - 1}, the cache's length")
+        return ContiguousCacheStep(self, positions)
+
+    def store(self, layer_idx: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (b, hkv, s, d) of layer `layer_idx` at (rows, positions); return that layer's buffers."""
+        if self.keys[layer_idx] is None:
+            shape = (self.batch, k.shape[1], self.max_len, k.shape[3])
+            self.keys[layer_idx] = k.new_zeros(shape)
+            self.values[layer_idx] = v.new_zeros(shape)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        # Indexing (rows, :, positions) addresses (b, s, hkv, d): the heads move behind the tokens.
+        keys[rows, :, positions] = k.transpose(1, 2)
+        values[rows, :, positions] = v.transpose(1, 2)
+        return keys, values
 
 
-@torch.no_grad()
-def cached_forward(model: Llama, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-    """Logits (batch, vocab) of the last token of `tokens` (batch, s) placed at positions start..start+s."""
-    b, s = tokens.shape
-    if start + s > cache.max_len:
-        raise ValueError(f"sequence of {start + s} tokens exceeds the cache's {cache.max_len}")
-    h = model.tok_embeddings(tokens)
-    cos, sin = model.rope_cos[start:start + s], model.rope_sin[start:start + s]
-    q_pos = torch.arange(start, start + s, device=tokens.device)
-    k_pos = torch.arange(start + s, device=tokens.device)
-    mask = q_pos[:, None] >= k_pos[None, :]
-    for i, block in enumerate(model.layers.values()):
-        attn = block.attention
-        x = block.attention_norm(h)
-        q = apply_rotary(attn.wq(x).view(b, s, -1, attn.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rotary(attn.wk(x).view(b, s, -1, attn.head_dim), cos, sin).transpose(1, 2)
-        v = attn.wv(x).view(b, s, -1, attn.head_dim).transpose(1, 2)
-        keys, values = cache.append(i, start, k, v)
-        repeat = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        h = h + attn.wo(out.transpose(1, 2).reshape(b, s, -1))
-        h = h + block.feed_forward(block.ffn_norm(h))
-    return model.output(model.norm(h[:, -1]))
+class ContiguousCacheStep:
+    """One forward step over a KVCache: index tensors and the attention mask, built once for all layers."""
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor):
+        self.cache = cache
+        self.positions = positions
+        self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.end = int(positions.max()) + 1  # no query of this step sees a key beyond this position
+        key_positions = torch.arange(self.end, device=positions.device)
+        # (b, 1, s, end): a query sees its own sequence's keys at its position and before.
+        self.mask = (key_positions <= positions[..., None])[:, None]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's k, v (b, hkv, s, d); attention (b, hq, s, d) of q over the cached keys."""
+        keys, values = self.cache.store(layer_idx, self.rows, self.positions, k, v)
+        keys, values = keys[:, :, :self.end], values[:, :, :self.end]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask,
+                                              enable_gqa=keys.shape[1] != q.shape[1])

@@ -15,8 +15,16 @@ Hooks the parallel code relies on:
   attention, selective recomputation wraps it.
 - `seq_shards`: sequence parallel sets it to tp, since hidden states then hold seq / tp positions
   and the rotary table must still cover the whole sequence.
-- `forward(tokens, positions=None)`: `positions` gives each token's absolute position (context
-  parallel passes its chunk's positions); by default 0..seq-1.
+- `forward(tokens, positions=None)` (positional, as the trainer and the pipeline executor call it):
+  `positions` gives each token's absolute position, one vector for the batch (seq,) (context parallel
+  passes its chunk's positions) or one per sequence (batch, seq); by default 0..seq-1.
+
+One forward for training and inference: `forward(tokens, positions, cache=step, logits_for=idx)`.
+`cache` is an attention-cache object for this step (fourfold.models.attention documents the seam):
+each block's attention then calls `cache.attend(layer_idx, q, k, v)` instead of its core. Without a
+cache, training runs exactly the ops it always did (SDPA with is_causal, no mask, no copies).
+`logits_for` picks the token rows (indices into the flattened batch * seq) the head is applied to,
+e.g. each sequence's last token when generating.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fourfold.config import ModelConfig
+from fourfold.models.attention import AttentionCache
 
 
 class RMSNorm(nn.Module):
@@ -71,11 +80,11 @@ def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` (batch, seq, heads, head_dim) by per-position angles; cos/sin are (seq, head_dim)."""
+    """Rotate `x` (batch, seq, heads, head_dim) by per-token angles; cos/sin are ([batch,] seq, head_dim)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos = cos[None, :, None, :].to(x.dtype)
-    sin = sin[None, :, None, :].to(x.dtype)
+    cos = cos.unsqueeze(-2).to(x.dtype)  # broadcast over heads
+    sin = sin.unsqueeze(-2).to(x.dtype)
     return x * cos + rotated * sin
 
 
@@ -101,14 +110,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.core = CausalAttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Self-attention of x (batch, seq, dim), rotated by the tables cos/sin (seq, head_dim); same shape out."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
+                layer_idx: int = 0) -> torch.Tensor:
+        """Self-attention of x (batch, seq, dim), rotated by cos/sin ([batch,] seq, head_dim); same shape out.
+
+        Without `cache` the core attends causally within x's sequence; with one, `cache.attend(layer_idx, ...)`
+        stores this step's keys and values and attends over everything cached.
+        """
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.core(q, k, v) if cache is None else cache.attend(layer_idx, q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -136,9 +151,14 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (batch, seq, dim) through the attention and MLP residual branches; same shape."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
+                layer_idx: int = 0) -> torch.Tensor:
+        """x (batch, seq, dim) through the attention and MLP residual branches; same shape.
+
+        `cache` and `layer_idx` go to the attention by keyword: tensor parallel's input plan for the
+        attention module lays out its three positional inputs only.
+        """
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache=cache, layer_idx=layer_idx)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -172,19 +192,32 @@ class Llama(nn.Module):
         if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, seq, vocab) for token ids (batch, seq); `positions` gives each token's absolute position.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *,
+                cache: AttentionCache | None = None, logits_for: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for token ids (batch, seq).
 
-        On a pipeline stage without the embedding or the head it takes or returns hidden states (batch, seq, dim).
+        `positions`: each token's absolute position, (seq,) for the whole batch or (batch, seq) per
+        sequence; default 0..seq-1 (under sequence parallel the whole sequence's, seq_shards * local).
+        `cache`: this step's attention cache (fourfold.models.attention); None trains/evaluates causally.
+        `logits_for`: indices into the flattened batch * seq tokens; only those rows get the final norm
+        and the head, and the logits are (len(logits_for), vocab).
+
+        On a pipeline stage without the embedding or the head it takes or returns hidden states (batch, seq, dim);
+        `logits_for` applies where the head is.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1] * self.seq_shards
         if positions is None:
+            seq = h.shape[1] * self.seq_shards
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for block in self.layers.values():
-            h = block(h, cos, sin)
+        for name, block in self.layers.items():
+            h = block(h, cos, sin, cache=cache, layer_idx=int(name))
+        if logits_for is not None and self.output is not None:
+            if self.seq_shards > 1:
+                raise ValueError("logits_for picks tokens of the whole sequence, but under sequence parallel each "
+                                 "rank holds seq / tp of them; run inference without sequence parallel.")
+            h = h.flatten(0, 1)[logits_for]
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -12,7 +12,9 @@ reduce-scatter into it, the norms (`SequenceParallel`) run on it with replicated
 `PrepareModuleInput` all-gathers it when entering attention or the MLP. `Attention.forward(x, cos,
 sin)` and `TransformerBlock.forward(x, cos, sin)` take the rotary tables too: those are plain,
 full-sequence tensors, so their layouts are `None` (left untouched), and the block itself needs no
-input preparation because its `x` is already the sequence shard.
+input preparation because its `x` is already the sequence shard. The inference arguments (`cache`,
+`layer_idx`) reach the attention by keyword, which the plan's positional layouts leave alone; a
+cache sees each rank's own heads.
 
     plan = {**outer_plan(sp, has_embedding=True, has_head=True)}   # applied to the Llama
     block_plan(sp)                                                  # applied to each block
