@@ -26,6 +26,8 @@ from fourfold.parallel.build import build_model
 from fourfold.parallel.data_parallel import build_data_parallel
 from fourfold.parallel.fsdp import (apply_fsdp, block_reshards_after_forward, fsdp_dtypes, mixed_precision,
                                     prefetch_depth, reshards_after_forward)
+from fourfold.parallel.pipeline.split import split_pipeline
+from fourfold.plan import layout as plan_layout
 from fourfold.plan.layout import meta_model, rank_chunks, rank_coordinates
 from fourfold.plan.memory import estimate_memory
 
@@ -108,6 +110,21 @@ def test_derived_parameters_equal_the_built_and_sharded_model_on_every_rank(name
         assert derived == built["shapes"], f"{name} rank {rank}"
         assert est.params == built["stored"], f"{name} rank {rank}"
         assert est.params - est.param_padding == built["local"], f"{name} rank {rank}"
+
+
+def test_a_split_that_takes_blocks_out_of_its_input_does_not_spoil_later_plans(monkeypatch):
+    cfg = _cfg(**{**LAYOUTS["pp2"][1], "model.n_layers": 6})  # a model no other test has cached
+    expected = [[prm.name for prm in chunk.params] for rank in (0, 1) for chunk in rank_chunks(cfg, rank)]
+    plan_layout._META_MODELS.clear()
+
+    def split_in_place(model, pp_rank, pp, vpp=1, layers_per_stage=None):
+        chunks = split_pipeline(model, pp_rank, pp, vpp, layers_per_stage)
+        for name in [n for n in model.layers.keys() if n not in chunks[0].layers]:
+            del model.layers[name]
+        return chunks
+
+    monkeypatch.setattr(plan_layout, "split_pipeline", split_in_place)
+    assert [[prm.name for prm in chunk.params] for rank in (0, 1) for chunk in rank_chunks(cfg, rank)] == expected
 
 
 def test_a_405b_preset_is_planned_from_shapes_without_allocating_it():

@@ -163,6 +163,8 @@ def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
     p = cfg.parallel
     model = meta_model(cfg.model)
     modules = split_pipeline(model, pp_rank, p.pp, p.vpp, p.pp_layers) if p.pp > 1 else [model]
+    if len(model.layers) != cfg.model.n_layers or model.tok_embeddings is None or model.output is None:
+        _META_MODELS.pop(repr(cfg.model))  # a split that takes blocks out of its input: build afresh next time
     chunks = []
     for module in modules:
         indices = [int(key) for key in module.layers.keys()]
