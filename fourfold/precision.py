@@ -1,4 +1,4 @@
-"""Mixed precision: the autocast policy, FSDP's parameter/reduce dtypes, and dynamic loss scaling for fp16.
+"""Mixed precision: the master dtype, the autocast policy, and dynamic loss scaling for fp16.
 
 - fp32: no autocast. fp64: no autocast, the trainer builds the model in float64 (parity tests).
 - bf16: autocast to bfloat16 on CPU or CUDA; parameters, gradients and AdamW state stay float32 (the
@@ -6,6 +6,9 @@
 - fp16: autocast to float16 with `DynamicLossScaler`: the loss is multiplied by the scale before
   backward; gradients are unscaled before clipping; a step whose gradients hold inf/nan on any rank is
   skipped everywhere and the scale halves; after `growth_interval` clean steps it doubles.
+
+FSDP's own parameter and reduce dtypes (parallel.param_dtype / reduce_dtype) are a data-parallel setting:
+`fourfold.parallel.fsdp.fsdp_dtypes` says what they mean.
 """
 
 from __future__ import annotations
@@ -31,19 +34,16 @@ def master_dtype(precision: str) -> torch.dtype:
 
 @dataclass
 class PrecisionPolicy:
-    """How a layout computes: the autocast dtype (None = off) and FSDP's parameter and reduce dtypes."""
+    """How forward computes: the device type and the autocast dtype (None = off)."""
 
     device_type: str
     autocast_dtype: torch.dtype | None
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
 
     @classmethod
     def from_config(cls, cfg: Config, device: torch.device) -> "PrecisionPolicy":
-        """The policy for the config's compute.precision and parallel dtypes on `device`."""
+        """The policy for the config's compute.precision on `device`."""
         mode = cfg.compute.precision
-        return cls(device.type, DTYPES[mode] if mode in ("bf16", "fp16") else None,
-                   DTYPES[cfg.parallel.param_dtype], DTYPES[cfg.parallel.reduce_dtype])
+        return cls(device.type, DTYPES[mode] if mode in ("bf16", "fp16") else None)
 
     def autocast(self):
         """An autocast context in the policy's dtype, or a no-op context when autocast is off."""

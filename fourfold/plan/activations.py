@@ -57,9 +57,10 @@ import torch
 
 from fourfold.config import Config
 from fourfold.layout import grad_accumulation_steps
+from fourfold.parallel.fsdp import fsdp_dtypes
 from fourfold.parallel.pipeline.schedules import SCHEDULES
 from fourfold.plan.layout import ParamShape
-from fourfold.precision import DTYPES, PrecisionPolicy, master_dtype
+from fourfold.precision import PrecisionPolicy, master_dtype
 from fourfold.recompute import recomputed_blocks
 
 
@@ -199,7 +200,7 @@ def tensor_shapes(cfg: Config, strategy: str) -> Shapes:
     """Per-rank tensor sizes, dtypes and the attention kernel for `cfg` under data-parallel `strategy`."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     master = master_dtype(cfg.compute.precision)
-    compute = DTYPES[p.param_dtype] if strategy == "fsdp" and p.param_dtype != "fp32" else master
+    compute = fsdp_dtypes(p, master)[0] if strategy == "fsdp" else master
     autocast = autocast_dtype(cfg)
     linear = autocast or compute
     s = t.seq_len // p.cp

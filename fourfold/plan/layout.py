@@ -1,14 +1,29 @@
-"""The layout as the memory model sees it: which rank holds which parameter shards, mirrored from the code
-that builds the layout (data-parallel strategy, tensor-parallel plan, pipeline split, FSDP2 and ZeRO-1 sharding)."""
+"""The layout as the memory model sees it: which parameter shards each rank holds, derived from the code that
+builds the layout rather than re-listed.
+
+Parameter names, shapes and order come from the model itself, built on the meta device (no memory, even
+for 405B); pipeline chunks from `fourfold.parallel.pipeline.split.split_pipeline` applied to that model;
+tensor-parallel shapes from the plan `fourfold.parallel.tensor_plan` (which module is column-, row- or
+vocab-parallel) and the dimension each torch ParallelStyle shards. What is replayed here is torch's own
+arithmetic: FSDP2's padded dim-0 shards and ZeroRedundancyOptimizer's greedy partition.
+
+    chunks = rank_chunks(cfg, pp_rank)      # [Chunk(layers, first, last, params), ...] for this pp rank
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from fourfold.config import Config
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from fourfold.config import Config, ModelConfig
 from fourfold.layout import DIM_ORDER, grid_coordinates, layout_sizes
-from fourfold.parallel.pipeline.split import stage_layer_counts
+from fourfold.models.llama import Llama
+from fourfold.parallel.pipeline.split import split_pipeline
+from fourfold.parallel.tensor_plan import block_plan, outer_plan
 
 
 def rank_coordinates(cfg: Config, rank: int) -> dict[str, int]:
@@ -50,6 +65,8 @@ class ParamShape:
     shape: tuple[int, ...]
     unit: int | None
     """The FSDP unit: the block index, or None for the chunk's root (embedding, final norm, head)."""
+    is_linear: bool = False
+    """Owned by an nn.Linear: a matmul weight that autocast casts (the embedding lookup is not autocast)."""
 
     @property
     def numel(self) -> int:
@@ -61,43 +78,100 @@ class ParamShape:
         """In AdamW's decayed group (matrices and embeddings), as `fourfold.optim.decay_groups`."""
         return len(self.shape) >= 2
 
-    @property
-    def is_linear(self) -> bool:
-        """A matmul weight that autocast casts (the embedding lookup is not autocast)."""
-        return len(self.shape) == 2 and not self.name.endswith("tok_embeddings.weight")
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk a pipeline rank holds: its blocks, whether it has the embedding / the head, its parameters."""
+
+    layers: range
+    first: bool
+    last: bool
+    params: list[ParamShape]
 
 
-def chunk_parameters(cfg: Config, layers: range, first: bool, last: bool) -> list[ParamShape]:
-    """A model chunk's parameters in `named_parameters()` order, with tensor-parallel local shapes."""
-    m, tp = cfg.model, cfg.parallel.tp
-    d, hd = m.dim, m.head_dim
-    q, kv, f, v = m.n_heads * hd // tp, m.n_kv_heads * hd // tp, m.ffn_dim // tp, m.vocab_size // tp
+_META_MODELS: dict[str, Llama] = {}
+"""A few meta models by the repr of their ModelConfig: a layout search plans many layouts of one model."""
+
+
+def meta_model(model_cfg: ModelConfig) -> Llama:
+    """The whole model on the meta device: every parameter's name, shape and module, no storage. Do not modify it."""
+    key = repr(model_cfg)
+    if key not in _META_MODELS:
+        if len(_META_MODELS) >= 4:
+            _META_MODELS.pop(next(iter(_META_MODELS)))
+        with torch.device("meta"):
+            _META_MODELS[key] = Llama(model_cfg)
+    return _META_MODELS[key]
+
+
+def style_shard_dim(style: ParallelStyle, module: nn.Module, param_name: str) -> int | None:
+    """The dimension torch's ParallelStyle shards `module`'s parameter along, or None when it stays replicated.
+
+    Column-parallel: a linear's weight and bias by output rows (dim 0), an embedding by columns (dim 1).
+    Row-parallel: a linear's weight by input columns (dim 1, bias replicated), an embedding by rows (dim 0).
+    Other styles (SequenceParallel, PrepareModuleInput) leave parameters replicated.
+    """
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return 1 if embedding else 0
+    if isinstance(style, RowwiseParallel):
+        if embedding:
+            return 0
+        return 1 if param_name == "weight" else None
+    return None
+
+
+def tensor_parallel_dims(chunk: nn.Module, sequence_parallel: bool) -> dict[int, int]:
+    """id(parameter) -> the dimension tensor parallel splits it along, from the plan `apply_tensor_parallel` applies."""
+    placed: list[tuple[nn.Module, dict]] = [
+        (chunk, outer_plan(sequence_parallel, chunk.tok_embeddings is not None, chunk.output is not None))]
+    placed += [(block, block_plan(sequence_parallel)) for block in chunk.layers.values()]
+    dims: dict[int, int] = {}
+    for root, plan in placed:
+        for path, style in plan.items():
+            module = root.get_submodule(path)
+            for name, prm in module.named_parameters(recurse=False):
+                dim = style_shard_dim(style, module, name)
+                if dim is None:
+                    continue
+                if dims.setdefault(id(prm), dim) != dim:  # a tied weight must be split the same way twice
+                    raise ValueError(f"{path}.{name} is split along dims {dims[id(prm)]} and {dim} by the tensor plan.")
+    return dims
+
+
+def chunk_parameters(chunk: nn.Module, tp: int, sequence_parallel: bool) -> list[ParamShape]:
+    """A (meta) model chunk's parameters in `named_parameters()` order, with their tensor-parallel local shapes."""
+    dims = tensor_parallel_dims(chunk, sequence_parallel) if tp > 1 else {}
+    unit_of = {id(prm): int(key) for key, block in chunk.layers.items() for prm in block.parameters()}
+    owner: dict[int, nn.Module] = {}
+    for module in chunk.modules():  # a tied weight belongs to the first module that holds it: the embedding
+        for prm in module.parameters(recurse=False):
+            owner.setdefault(id(prm), module)
     out = []
-    if first:
-        out.append(ParamShape("tok_embeddings.weight", (v, d), None))
-    for i in layers:
-        for name, shape in (("attention_norm.weight", (d,)), ("attention.wq.weight", (q, d)),
-                            ("attention.wk.weight", (kv, d)), ("attention.wv.weight", (kv, d)),
-                            ("attention.wo.weight", (d, q)), ("ffn_norm.weight", (d,)),
-                            ("feed_forward.w1.weight", (f, d)), ("feed_forward.w3.weight", (f, d)),
-                            ("feed_forward.w2.weight", (d, f))):
-            out.append(ParamShape(f"layers.{i}.{name}", shape, i))
-    if last:
-        out.append(ParamShape("norm.weight", (d,), None))
-        if not (m.tie_embeddings and first):  # tied: the head is the embedding, counted once
-            out.append(ParamShape("output.weight", (v, d), None))
+    for name, prm in chunk.named_parameters():
+        shape = list(prm.shape)
+        dim = dims.get(id(prm))
+        if dim is not None:
+            assert shape[dim] % tp == 0, f"{name}: dim {dim} ({shape[dim]}) does not divide by tp={tp}"
+            shape[dim] //= tp
+        out.append(ParamShape(name, tuple(shape), unit_of.get(id(prm)), isinstance(owner[id(prm)], nn.Linear)))
     return out
 
 
-def rank_chunks(cfg: Config, pp_rank: int) -> list[tuple[range, bool, bool]]:
-    """(layers, has embedding, has head) for each pipeline chunk of `pp_rank` (chunk c is stage c * pp + r)."""
+def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
+    """The chunks pipeline rank `pp_rank` holds (chunk c is stage c * pp + pp_rank), as `build_model` splits them."""
     p = cfg.parallel
-    counts = stage_layer_counts(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
+    model = meta_model(cfg.model)
+    modules = split_pipeline(model, pp_rank, p.pp, p.vpp, p.pp_layers) if p.pp > 1 else [model]
+    if len(model.layers) != cfg.model.n_layers or model.tok_embeddings is None or model.output is None:
+        _META_MODELS.pop(repr(cfg.model))  # a split that takes blocks out of its input: build afresh next time
     chunks = []
-    for c in range(p.vpp):
-        stage = c * p.pp + pp_rank
-        start = sum(counts[:stage])
-        chunks.append((range(start, start + counts[stage]), stage == 0, stage == len(counts) - 1))
+    for module in modules:
+        indices = [int(key) for key in module.layers.keys()]
+        layers = range(indices[0], indices[-1] + 1) if indices else range(0)
+        assert list(layers) == indices, f"pipeline chunk holds non-contiguous blocks {indices}"
+        chunks.append(Chunk(layers, module.tok_embeddings is not None, module.output is not None,
+                            chunk_parameters(module, p.tp, p.sequence_parallel)))
     return chunks
 
 

@@ -16,11 +16,11 @@ Components (bytes on one rank's accelerator):
 | logits | the loss region at the start of backward: logits, log-probabilities and their gradients | modelled |
 | workspace | transient buffers: FSDP all-gathers, the block recomputed in backward, gradient buffers, autocast weight copies | modelled |
 
-The layout is mirrored from the code that builds it: the data-parallel strategy as
+The layout is derived from the code that builds it: the data-parallel strategy as
 `fourfold.parallel.data_parallel.build_data_parallel` picks it (ddp / zero1 / FSDP2 for zero 2 and 3 / HSDP), the
 tensor-parallel plan of `fourfold.parallel.tensor_plan` (q/k/v/w1/w3 and the head split by output rows,
 wo/w2 by input columns, the embedding by vocabulary rows, norms replicated), the pipeline split of
-`fourfold.parallel.pipeline.split.stage_layer_counts` (embedding on the first stage, final norm and head on
+`fourfold.parallel.pipeline.split.split_pipeline` (embedding on the first stage, final norm and head on
 the last), context parallel (seq / cp tokens per rank) and sequence parallel (norm and residual tensors
 hold seq / tp positions).
 
@@ -34,7 +34,9 @@ Sharding, exactly as torch does it:
   largest first, per parameter group (the decayed matrices, then the norms); `zero1_partition` replays it, so
   the per-rank optimizer bytes are exact rather than 1/N.
 
-The layout is mirrored by `fourfold.plan.layout`; activations are modelled by `fourfold.plan.activations`
+The parameters each rank holds come from `fourfold.plan.layout` (the meta-device model, split and
+tensor-parallel-sharded as the builder does it); FSDP's reshard, prefetch and dtype rules are the functions
+`fourfold.parallel.fsdp.apply_fsdp` uses; activations are modelled by `fourfold.plan.activations`
 (whose docstring lists what each block keeps under each recompute mode).
 """
 
@@ -51,10 +53,10 @@ from fourfold.layout import data_parallel_strategy, validate_layout
 from fourfold.models.llama import Llama
 from fourfold.precision import master_dtype
 from fourfold.ops.cross_entropy import cross_entropy
-from fourfold.plan.activations import (DTYPES, autocast_dtype, chunk_activations, device_type, dtype_size,
+from fourfold.plan.activations import (autocast_dtype, chunk_activations, device_type, dtype_size,
                                        loss_bytes, pipeline_peak, tensor_shapes)
-from fourfold.plan.layout import (chunk_parameters, fsdp_rows, fsdp_shard_group, rank_chunks, rank_coordinates,
-                                  rank_of, zero1_partition)
+from fourfold.parallel.fsdp import block_reshards_after_forward, fsdp_dtypes, prefetch_depth, reshards_after_forward
+from fourfold.plan.layout import fsdp_rows, fsdp_shard_group, rank_chunks, rank_coordinates, rank_of, zero1_partition
 from fourfold.recompute import apply_recompute, saved_activation_bytes
 from fourfold.units import format_bytes
 
@@ -171,8 +173,7 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
     sh = tensor_shapes(cfg, strategy)
     master = dtype_size(sh.master)
     chunks = rank_chunks(cfg, coords["pp"])
-    params_by_chunk = [chunk_parameters(cfg, *c) for c in chunks]
-    flat = [prm for ps in params_by_chunk for prm in ps]
+    flat = [prm for chunk in chunks for prm in chunk.params]
     notes: list[str] = []
     breakdown: dict[str, int] = {}
 
@@ -188,7 +189,7 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
             local += mine * rest
         params_b, padding, optim_b = stored * master, (stored - local) * master, 2 * local * master
         how = "HSDP" if p.dp > 1 and (p.fsdp * p.cp) > 1 else "FSDP2"
-        zero = 2 if p.fsdp > 1 and p.zero == 2 else 3
+        zero = 3 if reshards_after_forward(p) else 2  # parameters kept gathered from forward to backward
         notes.append(f"{how} (ZeRO-{zero}) shards parameters, gradients and optimizer state {shards} ways; "
                      f"this rank is shard {index}.")
         if padding:
@@ -212,24 +213,24 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
     per_chunk, saved_one = [], 0
     parts_sum: dict[str, int] = {}
     loss_saved = loss_peak = 0
-    for (layers, first, last), ps in zip(chunks, params_by_chunk):
-        parts = chunk_activations(cfg, sh, layers, first, last, ps)
+    for chunk in chunks:
+        parts = chunk_activations(cfg, sh, chunk.layers, chunk.first, chunk.last, chunk.params)
         for k, v in parts.items():
             parts_sum[k] = parts_sum.get(k, 0) + v
         chunk_bytes = parts["streams"] + parts["blocks"] + parts["extra"] + parts["head"]
-        if last:
+        if chunk.last:
             loss_saved, loss_peak, loss_forward = loss_bytes(sh, cfg.compute.loss_chunk, p.tp, cfg.compute.compile)
             loss_peak = max(loss_peak, loss_forward)
             chunk_bytes += loss_saved
         per_chunk.append(chunk_bytes)
         saved_one += chunk_bytes
     held, in_flight = pipeline_peak(cfg, coords["pp"], per_chunk)
-    has_head = any(last for _, _, last in chunks)
+    has_head = any(chunk.last for chunk in chunks)
     activations = held - (loss_saved if has_head else 0)  # one micro-batch's log-probs are in `logits`
     if p.pp > 1:
         notes.append(f"pipeline stage {coords['pp']} of {p.pp} ({p.pp_schedule}): activations of up to "
                      f"{in_flight} micro-batch units in flight.")
-    n_layers = sum(len(c[0]) for c in chunks)
+    n_layers = sum(len(chunk.layers) for chunk in chunks)
     breakdown.update(block_without_recompute=parts_sum["block_none"] // len(chunks), streams=parts_sum["streams"],
                      blocks=parts_sum["blocks"], head=parts_sum["head"], loss_saved=loss_saved, layers=n_layers)
 
@@ -237,18 +238,17 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
     act_ws = max(parts_sum["forward_cache"], parts_sum["backward_transient"])
     fsdp_ws = 0
     if strategy == "fsdp":
-        unit_bytes: dict = {}
-        for ci, ps in enumerate(params_by_chunk):
-            for prm in ps:
-                key = (ci, prm.unit)
-                unit_bytes[key] = unit_bytes.get(key, 0) + prm.numel
-        root = sum(v for (ci, u), v in unit_bytes.items() if u is None)
-        blocks = [v for (ci, u), v in unit_bytes.items() if u is not None]
-        big = max(blocks, default=0)
-        reshard = p.reshard_after_forward and not (p.fsdp > 1 and p.zero == 2)
-        depth = max(0, min(p.prefetch, p.max_inflight_allgathers))
-        gathered = (root + (1 + depth) * big) if reshard else (root + sum(blocks))
-        grad_unsharded = big * max(dtype_size(sh.compute), dtype_size(DTYPES[p.reduce_dtype]))
+        # Gathered at the start of backward: each chunk's root and the blocks apply_fsdp keeps gathered after
+        # forward (fourfold.parallel.fsdp's policy), plus the blocks prefetched while one is computed.
+        root = kept = big = 0
+        for chunk in chunks:
+            units = [sum(prm.numel for prm in chunk.params if prm.unit == layer) for layer in chunk.layers]
+            root += sum(prm.numel for prm in chunk.params if prm.unit is None)
+            kept += sum(n for i, n in enumerate(units) if not block_reshards_after_forward(p, i, len(units)))
+            big = max([big, *units])
+        gathered = root + kept + (prefetch_depth(p) * big if reshards_after_forward(p) else 0)
+        reduce = fsdp_dtypes(p, sh.master)[1]
+        grad_unsharded = big * max(dtype_size(sh.compute), dtype_size(reduce))
         fsdp_ws = gathered * dtype_size(sh.compute) + big * dtype_size(sh.compute) + grad_unsharded
         breakdown["fsdp_gathered"] = gathered * dtype_size(sh.compute)
     workspace = act_ws + fsdp_ws  # DDP and ZeRO-1 keep gradients as views into their buckets: no copy
@@ -306,7 +306,7 @@ def estimate_memory(cfg: Config, world_size: int, rank: int | None = None) -> Me
     for stage in range(p.pp):
         coords = {"pp": stage}
         if data_parallel_strategy(cfg.parallel) == "zero1":
-            flat = [prm for c in rank_chunks(cfg, stage) for prm in chunk_parameters(cfg, *c)]
+            flat = [prm for chunk in rank_chunks(cfg, stage) for prm in chunk.params]
             owner = zero1_partition(flat, p.fsdp)
             share = [sum(prm.numel for prm, o in zip(flat, owner) if o == r) for r in range(p.fsdp)]
             coords["fsdp"] = share.index(max(share))
