@@ -34,6 +34,7 @@ import torch
 
 from fourfold.config import Config, DataConfig
 from fourfold.errors import ConfigError
+from fourfold.layout import check_global_batch
 from fourfold.tokenizer import ByteTokenizer, load_tokenizer
 
 
@@ -230,9 +231,7 @@ class TrainBatches:
 
     def __init__(self, dataset: PackedSequences, sampler: GlobalBatchSampler, micro_batch: int,
                  data_rank: int, data_world: int):
-        if sampler.global_batch % (micro_batch * data_world):
-            raise ConfigError(f"train.global_batch ({sampler.global_batch}) must be a multiple of "
-                              f"train.micro_batch * data-parallel ranks = {micro_batch} * {data_world}.")
+        check_global_batch(sampler.global_batch, micro_batch, data_world)  # the layout's rule, its words
         if not 0 <= data_rank < data_world:
             raise ValueError(f"data_rank {data_rank} is outside 0..{data_world - 1}")
         self.dataset, self.sampler = dataset, sampler
