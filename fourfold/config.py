@@ -332,14 +332,16 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         try:
             value = float(value) if typ is float else ast.literal_eval(value)  # float() reads nan and inf too
         except (ValueError, SyntaxError):
-            raise ConfigError(f"{key} takes a value of type {getattr(typ, '__name__', typ)}, not '{value}'.") from None
+            raise ConfigError(f"{key} takes a value of type {getattr(typ, '__name__', typ)}, not '{value}'; "
+                              "`fourfold config` lists each key's valid values.") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is list and isinstance(value, tuple):
         value = list(value)
     if typ in (int, float, str, bool, dict, list):
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise ConfigError(f"{key} takes a value of type {typ.__name__}, not {value!r} ({type(value).__name__}).")
+            raise ConfigError(f"{key} takes a value of type {typ.__name__}, not {value!r} ({type(value).__name__}); "
+                              "`fourfold config` lists each key's valid values.")
     return value
 
 
@@ -435,7 +437,8 @@ def load_config(path: str | Path | None = None, args: list[str] | None = None) -
         try:
             sections = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"Config file '{p}' is not valid TOML: {e}.") from None
+            raise ConfigError(f"Config file '{p}' is not valid TOML: {e}. Fix that line ([section] tables of "
+                              "key = value lines), or start from configs/tiny.toml.") from None
         except (UnicodeDecodeError, OSError) as e:
             raise ConfigError(f"Config file '{p}' could not be read as UTF-8 text ({e}); --config takes a TOML "
                               "file, e.g. configs/tiny.toml.") from None
@@ -457,8 +460,8 @@ def check_value(key: str, value: Any) -> None:
     that receives a setting directly (e.g. context parallel's method) calls it instead of re-wording it.
     """
     section, name = key.split(".")
-    rng = field_range(section, name)
-    if value is None or rng is None or rng.accepts(value):
+    rng = field_range(section, name) or Range()  # no declared range: any finite value
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float, str)) or rng.accepts(value):
         return
     if rng.choices is not None:
         hint = closest(value, [str(c) for c in rng.choices]) if isinstance(value, str) else ""
@@ -479,12 +482,14 @@ def validate(cfg: Config) -> None:
             check_value(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
     m, t, c = cfg.model, cfg.train, cfg.compute
     if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}).")
+        raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}); change model.dim "
+                          "or model.n_heads.")
     if m.head_dim % 2:
         raise ConfigError(f"The head size model.dim / model.n_heads = {m.head_dim} must be even for rotary "
                           "embeddings; change model.dim or model.n_heads.")
     if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads}).")
+        raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads}); pick a "
+                          "divisor of n_heads (n_heads itself for plain multi-head attention).")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
                           "lower train.seq_len or raise model.max_seq_len.")
@@ -497,6 +502,10 @@ def validate(cfg: Config) -> None:
                           "set --compute.recompute to one of them, e.g. every-2.")
     if m.rope_scaling is not None:
         _check_rope_scaling(m.rope_scaling)
+    stages = cfg.parallel.pp_layers
+    if stages is not None and not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in stages):
+        raise ConfigError(f"parallel.pp_layers {stages} must be a list of whole numbers of at least 1 (blocks per "
+                          "pipeline stage), e.g. --parallel.pp_layers '[2, 2]', or none to split evenly.")
 
 
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
