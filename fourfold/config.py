@@ -152,7 +152,7 @@ class ParallelConfig:
     bucket_mb: float = setting(25.0, gt=0)
     """DDP gradient bucket size in MiB (all-reduce overlapped with backward)."""
     hierarchical_allreduce: bool = False
-    """DDP: reduce-scatter inside a node, all-reduce across nodes, all-gather inside the node."""
+    """DDP (dp alone): reduce-scatter inside a node, all-reduce across nodes, all-gather inside the node."""
     gpus_per_node: int = setting(0, ge=0)
     """Ranks per node for HSDP and hierarchical all-reduce; 0 reads LOCAL_WORLD_SIZE."""
     reshard_after_forward: bool = True
@@ -162,7 +162,7 @@ class ParallelConfig:
     max_inflight_allgathers: int = setting(2, ge=0)
     """FSDP: cap on parameter all-gathers in flight at once."""
     cpu_offload: bool = False
-    """Keep sharded optimizer state (and parameters under FSDP) in CPU memory."""
+    """FSDP: keep the sharded parameters, gradients and optimizer state in CPU memory."""
     param_dtype: str = setting("fp32", choices=PRECISIONS)
     """Dtype parameters are computed in under data parallel: fp32, bf16 or fp16 (fp32 master copies kept)."""
     reduce_dtype: str = setting("fp32", choices=PRECISIONS)

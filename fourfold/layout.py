@@ -141,8 +141,14 @@ def _check_data_parallel(cfg: Config) -> None:
         raise LayoutError(f"parallel.reduce_dtype ({p.reduce_dtype}) sets the dtype gradients are reduced in, which "
                           f"FSDP and plain DDP support but not {how}. Keep --parallel.reduce_dtype fp32, or use "
                           "--parallel.dp N without the hierarchical all-reduce, or --parallel.fsdp N.")
-    if strategy == "ddp" and p.hierarchical_allreduce and p.gpus_per_node:
+    if p.hierarchical_allreduce and strategy != "ddp":
+        raise LayoutError(f"parallel.hierarchical_allreduce is a DDP comm hook, but this layout ({shown}) uses {what}; "
+                          "set --parallel.hierarchical_allreduce false, or use --parallel.dp N alone.")
+    if p.hierarchical_allreduce and p.gpus_per_node:
         check_ranks_per_node(p.dp, p.gpus_per_node)  # 0: LOCAL_WORLD_SIZE, known only once launched
+    if p.cpu_offload and strategy != "fsdp":
+        raise LayoutError(f"parallel.cpu_offload keeps FSDP's shards in CPU memory, but this layout ({shown}) uses "
+                          f"{what}; shard with --parallel.fsdp N (zero 2 or 3), or set --parallel.cpu_offload false.")
     c = cfg.compute
     if c.compile and c.compile_scope == "model" and (strategy not in ("none", "ddp") or p.pp > 1):  # tp/cp imply fsdp
         raise LayoutError(f"compute.compile_scope model compiles the whole forward, which this layout ({shown}, "
@@ -162,6 +168,10 @@ def _check_pipeline(cfg: Config) -> None:
         raise LayoutError("Tied embeddings put one weight on the first and last pipeline stages; set "
                           "--model.tie_embeddings false or --parallel.pp 1.")
     if p.pp == 1 and p.vpp == 1:
+        for key, value in (("pp_layers", p.pp_layers), ("pp_microbatches", p.pp_microbatches)):
+            if value:
+                raise LayoutError(f"parallel.{key} ({value}) shapes a pipeline, but parallel.pp is 1; set "
+                                  f"--parallel.pp 2 or more, or leave parallel.{key} unset.")
         return
     accumulation = grad_accumulation_steps(cfg)
     if p.pp > 1 and p.pp_microbatches and p.pp_microbatches != accumulation:

@@ -66,6 +66,12 @@ INVALID = {
     "zero1-with-cp": (4, {"parallel.fsdp": 2, "parallel.cp": 2, "parallel.zero": 1}, ["parallel.zero", "parallel.cp"]),
     "pp-uneven-split": (3, {"parallel.pp": 3}, ["model.n_layers", "parallel.pp_layers"]),
     "pp-layers-sum": (2, {"parallel.pp": 2, "parallel.pp_layers": "[1, 2]"}, ["parallel.pp_layers", "model.n_layers"]),
+    "hierarchical-without-ddp": (2, {"parallel.fsdp": 2, "parallel.hierarchical_allreduce": True},
+                                 ["parallel.hierarchical_allreduce", "--parallel.dp N"]),
+    "cpu-offload-without-fsdp": (2, {"parallel.dp": 2, "parallel.cpu_offload": True},
+                                 ["parallel.cpu_offload", "--parallel.fsdp N"]),
+    "pp-layers-without-pp": (1, {"parallel.pp_layers": "[2, 2]"}, ["parallel.pp_layers", "parallel.pp"]),
+    "pp-microbatches-without-pp": (1, {"parallel.pp_microbatches": 4}, ["parallel.pp_microbatches", "parallel.pp"]),
     "hierarchical-per-node": (4, {"parallel.dp": 4, "parallel.hierarchical_allreduce": True,
                                   "parallel.gpus_per_node": 3}, ["parallel.dp", "parallel.gpus_per_node"]),
 }
