@@ -2,8 +2,11 @@
 
     cfg = load_config("configs/tiny.toml", ["--train.steps", "100", "--model.dim", "256"])
 
-Every field carries a docstring (the string under it); `describe()` turns them into the config reference.
-Unknown keys and values of the wrong type raise `ConfigError` naming the key and the closest valid one.
+Every field carries a docstring (the string under it) and, where it has one, its valid range declared
+beside it (`lr: float = setting(3e-3, gt=0)`); `describe()` turns both into the config reference and
+`validate` checks every range in one loop (non-finite floats are never valid). Unknown keys, values of the
+wrong type and values out of range raise `ConfigError` naming the key, the flag and what it accepts.
+Rules about the parallel layout (which need the world size) live in fourfold.layout.
 """
 
 from __future__ import annotations
