@@ -2,14 +2,20 @@
 
     cfg = load_config("configs/tiny.toml", ["--train.steps", "100", "--model.dim", "256"])
 
-Every field carries a docstring (the string under it); `describe()` turns them into the config reference.
-Unknown keys and values of the wrong type raise `ConfigError` naming the key and the closest valid one.
+Every field carries a docstring (the string under it) and, where it has one, its valid range declared
+beside it (`lr: float = setting(3e-3, gt=0)`); `describe()` turns both into the config reference and
+`validate` checks every range in one loop (non-finite floats are never valid). Unknown keys, values of the
+wrong type and values out of range raise `ConfigError` naming the key, the flag and what it accepts.
+Rules about the parallel layout (which need the world size) live in fourfold.layout.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
+import math
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -23,6 +29,66 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+TRAIN_PRECISIONS = PRECISIONS + ("fp64",)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+CP_METHODS = ("ring", "allgather")
+DEVICES = ("auto", "cpu", "cuda")
+COMPILE_SCOPES = ("blocks", "model")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a setting accepts: bounds (ge/gt below, le/lt above) and/or a tuple of choices."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple | None = None
+
+    def accepts(self, value: Any) -> bool:
+        """True when `value` is inside the bounds and among the choices (a non-finite float never is)."""
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def text(self) -> str:
+        """The range for people: 'at least 1', 'greater than 0', 'in [0, 1)', 'blocks or model'."""
+        if self.choices is not None:
+            return either(self.choices)
+        ge, gt, le, lt = (_number(v) for v in (self.ge, self.gt, self.le, self.lt))
+        low = (f"[{ge}" if ge is not None else f"({gt}") if (ge, gt) != (None, None) else None
+        high = (f"{le}]" if le is not None else f"{lt})") if (le, lt) != (None, None) else None
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return f"at least {ge}" if ge is not None else f"greater than {gt}"
+        if high:
+            return f"at most {le}" if le is not None else f"less than {lt}"
+        return "any value"
+
+
+def _number(v: float | None) -> str | None:
+    """A bound as text; large powers of two as 2^k."""
+    if isinstance(v, int) and v > 2**16 and v & (v - 1) == 0:
+        return f"2^{v.bit_length() - 1}"
+    return None if v is None else str(v)
+
+
+def either(choices) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    words = [str(c) for c in choices]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def setting(default: Any, *, ge=None, gt=None, le=None, lt=None, choices=None):
+    """A dataclass field whose valid range sits next to its docstring; `validate` checks it, `describe` shows it."""
+    return field(default=default, metadata={"range": Range(ge, gt, le, lt, tuple(choices) if choices else None)})
+
 
 @dataclass
 class ModelConfig:
@@ -30,29 +96,29 @@ class ModelConfig:
 
     preset: Optional[str] = None
     """Named shape from fourfold/models/presets.py; explicit keys in this section override it."""
-    dim: int = 128
+    dim: int = setting(128, ge=1)
     """Hidden size."""
-    n_layers: int = 4
+    n_layers: int = setting(4, ge=1)
     """Number of transformer blocks."""
-    n_heads: int = 4
+    n_heads: int = setting(4, ge=1)
     """Attention (query) heads."""
-    n_kv_heads: int = 2
+    n_kv_heads: int = setting(2, ge=1)
     """Key/value heads (grouped-query attention); must divide n_heads."""
-    ffn_dim: int = 384
+    ffn_dim: int = setting(384, ge=1)
     """Inner size of the SwiGLU MLP."""
-    vocab_size: int = 320
+    vocab_size: int = setting(320, ge=1)
     """Embedding rows; at least the tokenizer's vocabulary."""
-    max_seq_len: int = 256
+    max_seq_len: int = setting(256, ge=1)
     """Longest sequence the rotary table covers."""
-    rope_theta: float = 10000.0
+    rope_theta: float = setting(10000.0, gt=0)
     """Rotary embedding base."""
     rope_scaling: Optional[dict] = None
     """Llama-3 frequency scaling: {factor, low_freq_factor, high_freq_factor, original_max_seq_len}, or none."""
-    norm_eps: float = 1e-5
+    norm_eps: float = setting(1e-5, gt=0)
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the token embedding with the output head."""
-    init_std: float = 0.02
+    init_std: float = setting(0.02, ge=0)
     """Standard deviation of the normal initialisation of linear and embedding weights."""
 
     @property
@@ -65,45 +131,46 @@ class ModelConfig:
 class ParallelConfig:
     """The [parallel] section: the parallel layout and how it shards and communicates."""
 
-    dp: int = 1
+    dp: int = setting(1, ge=1)
     """Data-parallel replicas (gradients all-reduced)."""
-    fsdp: int = 1
+    fsdp: int = setting(1, ge=1)
     """Data-parallel shards (parameters, gradients and optimizer state sharded, ZeRO-3)."""
-    tp: int = 1
+    tp: int = setting(1, ge=1)
     """Tensor-parallel degree (attention heads and MLP columns split)."""
-    pp: int = 1
+    pp: int = setting(1, ge=1)
     """Pipeline stages."""
-    cp: int = 1
+    cp: int = setting(1, ge=1)
     """Context-parallel degree (sequence split, ring attention)."""
-    vpp: int = 1
+    vpp: int = setting(1, ge=1)
     """Virtual pipeline stages per rank (interleaved schedules)."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = setting("1f1b", choices=PP_SCHEDULES)
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zero-bubble."""
-    pp_microbatches: int = 0
+    pp_microbatches: int = setting(0, ge=0)
     """Micro-batches per pipeline step; 0 derives it from train.global_batch / (micro_batch * dp * fsdp)."""
     sequence_parallel: bool = True
     """With tp > 1, shard norms and residuals along the sequence."""
-    zero: int = 3
-    """Sharding stage used when fsdp > 1: 1 (optimizer state), 2 (+gradients) or 3 (+parameters)."""
-    bucket_mb: float = 25.0
+    zero: int = setting(3, choices=(1, 2, 3))
+    """Sharding stage used when fsdp > 1: 1 (optimizer state only; needs dp = tp = cp = 1), 2 (+gradients) or 3
+    (+parameters)."""
+    bucket_mb: float = setting(25.0, gt=0)
     """DDP gradient bucket size in MiB (all-reduce overlapped with backward)."""
     hierarchical_allreduce: bool = False
-    """DDP: reduce-scatter inside a node, all-reduce across nodes, all-gather inside the node."""
-    gpus_per_node: int = 0
+    """DDP (dp alone): reduce-scatter inside a node, all-reduce across nodes, all-gather inside the node."""
+    gpus_per_node: int = setting(0, ge=0)
     """Ranks per node for HSDP and hierarchical all-reduce; 0 reads LOCAL_WORLD_SIZE."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (re-gather for backward)."""
-    prefetch: int = 1
+    prefetch: int = setting(1, ge=0)
     """FSDP: blocks whose parameters are all-gathered ahead of use (forward and backward)."""
-    max_inflight_allgathers: int = 2
+    max_inflight_allgathers: int = setting(2, ge=0)
     """FSDP: cap on parameter all-gathers in flight at once."""
     cpu_offload: bool = False
-    """Keep sharded optimizer state (and parameters under FSDP) in CPU memory."""
-    param_dtype: str = "fp32"
+    """FSDP: keep the sharded parameters, gradients and optimizer state in CPU memory."""
+    param_dtype: str = setting("fp32", choices=PRECISIONS)
     """Dtype parameters are computed in under data parallel: fp32, bf16 or fp16 (fp32 master copies kept)."""
-    reduce_dtype: str = "fp32"
+    reduce_dtype: str = setting("fp32", choices=PRECISIONS)
     """Dtype gradients are reduced in: fp32, bf16 or fp16 (FSDP, or plain DDP through fourfold's low-precision comm hook)."""
-    cp_method: str = "ring"
+    cp_method: str = setting("ring", choices=CP_METHODS)
     """Context-parallel attention: ring (pass K/V around the ring) or allgather (gather K/V once)."""
     pp_layers: Optional[list] = None
     """Blocks per pipeline stage (pp * vpp entries summing to n_layers); unset splits evenly."""
@@ -113,19 +180,19 @@ class ParallelConfig:
 class TrainConfig:
     """The [train] section: how long to train, on which batches, and how often to validate."""
 
-    steps: int = 200
+    steps: int = setting(200, ge=1)
     """Optimizer steps."""
-    global_batch: int = 16
+    global_batch: int = setting(16, ge=1)
     """Sequences per optimizer step, fixed whatever the layout."""
-    micro_batch: int = 8
+    micro_batch: int = setting(8, ge=1)
     """Sequences per forward per data-parallel rank; gradient accumulation is derived."""
-    seq_len: int = 128
+    seq_len: int = setting(128, ge=1)
     """Tokens per sequence."""
-    seed: int = 1234
+    seed: int = setting(1234, ge=0, lt=2**63)
     """Seed for initialisation and data order."""
-    val_every: int = 50
+    val_every: int = setting(50, ge=0)
     """Steps between validation passes; 0 disables."""
-    val_batches: int = 4
+    val_batches: int = setting(4, ge=0)
     """Micro-batches per validation pass."""
 
 
@@ -133,21 +200,21 @@ class TrainConfig:
 class OptimConfig:
     """The [optim] section: AdamW, gradient clipping and the warmup + cosine learning-rate schedule."""
 
-    lr: float = 3e-3
+    lr: float = setting(3e-3, gt=0)
     """Peak learning rate."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = setting(0.1, ge=0, le=1)
     """Cosine schedule floor as a fraction of lr."""
-    warmup_steps: int = 20
+    warmup_steps: int = setting(20, ge=0)
     """Linear warmup steps."""
-    weight_decay: float = 0.1
+    weight_decay: float = setting(0.1, ge=0)
     """AdamW decoupled weight decay (not applied to norms)."""
-    beta1: float = 0.9
+    beta1: float = setting(0.9, ge=0, lt=1)
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: float = setting(0.95, ge=0, lt=1)
     """AdamW beta2."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    grad_clip: float = 1.0
+    eps: float = setting(1e-8, gt=0)
+    """AdamW epsilon, added to the update's denominator; above 0 so a parameter whose gradient stays zero gets no 0/0."""
+    grad_clip: float = setting(1.0, ge=0)
     """Clip the global gradient norm to this; 0 disables."""
 
 
@@ -155,21 +222,21 @@ class OptimConfig:
 class ComputeConfig:
     """The [compute] section: the device, numeric precision, compilation and activation recomputation."""
 
-    device: str = "auto"
+    device: str = setting("auto", choices=DEVICES)
     """auto (cuda when available), cpu or cuda."""
-    precision: str = "fp32"
+    precision: str = setting("fp32", choices=TRAIN_PRECISIONS)
     """fp32, bf16 (autocast, fp32 master weights), fp16 (autocast with dynamic loss scaling), or fp64 (parity tests)."""
     compile: bool = False
     """torch.compile the model (see compile_scope)."""
-    compile_scope: str = "blocks"
+    compile_scope: str = setting("blocks", choices=COMPILE_SCOPES)
     """What one torch.compile covers: `blocks` (each transformer block; short compile, works with every
     layout) or `model` (the whole forward, so fusion crosses block boundaries; one GPU or DDP only)."""
-    compile_memory_budget: float = 1.0
+    compile_memory_budget: float = setting(1.0, gt=0, le=1)
     """Compiled graphs: fraction of the activation memory the partitioner may keep for backward (torch's
     `activation_memory_budget`); below 1 it recomputes the cheapest activations to stay under it."""
     recompute: str = "none"
     """Activation recomputation: none, full, selective or every-N (e.g. every-2)."""
-    loss_chunk: int = 0
+    loss_chunk: int = setting(0, ge=0)
     """Tokens per chunk of the cross-entropy (bounds fp32 logits memory); 0 computes it in one piece."""
 
 
@@ -192,9 +259,9 @@ class DataConfig:
     """'byte' (no files needed) or the path of a Hugging Face tokenizer.json."""
     cache_dir: str = ".cache/fourfold"
     """Where tokenized corpora are memory-mapped, keyed by content and tokenizer."""
-    val_fraction: float = 0.02
+    val_fraction: float = setting(0.02, ge=0, lt=1)
     """Fraction of sequences held out for validation."""
-    max_bytes: int = 16_000_000
+    max_bytes: int = setting(16_000_000, ge=0)
     """Read at most this many bytes of text from the source (0: no limit)."""
 
 
@@ -202,10 +269,10 @@ class DataConfig:
 class CheckpointConfig:
     """The [checkpoint] section: when checkpoints are saved and how many are kept."""
 
-    every: int = 100
+    every: int = setting(100, ge=0)
     """Steps between checkpoints; 0 saves only at the end."""
-    keep: int = 2
-    """Keep the newest K checkpoints."""
+    keep: int = setting(2, ge=0)
+    """Keep the newest K checkpoints; 0 keeps them all."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
 
@@ -214,7 +281,7 @@ class CheckpointConfig:
 class LogConfig:
     """The [log] section: metric records, TensorBoard, progress bar and profiling."""
 
-    every: int = 10
+    every: int = setting(10, ge=1)
     """Steps between metric records."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the tb extra)."""
@@ -266,16 +333,18 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
                 return False
             raise ConfigError(f"{key} takes true or false, not '{value}'.")
         try:
-            value = ast.literal_eval(value)
+            value = float(value) if typ is float else ast.literal_eval(value)  # float() reads nan and inf too
         except (ValueError, SyntaxError):
-            raise ConfigError(f"{key} takes a value of type {getattr(typ, '__name__', typ)}, not '{value}'.") from None
+            raise ConfigError(f"{key} takes a value of type {getattr(typ, '__name__', typ)}, not '{value}'; "
+                              "`fourfold config` lists each key's valid values.") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is list and isinstance(value, tuple):
         value = list(value)
     if typ in (int, float, str, bool, dict, list):
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise ConfigError(f"{key} takes a value of type {typ.__name__}, not {value!r} ({type(value).__name__}).")
+            raise ConfigError(f"{key} takes a value of type {typ.__name__}, not {value!r} ({type(value).__name__}); "
+                              "`fourfold config` lists each key's valid values.")
     return value
 
 
@@ -364,77 +433,99 @@ def load_config(path: str | Path | None = None, args: list[str] | None = None) -
     sections: dict = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"--config '{p}' is a directory; give a TOML file, e.g. configs/tiny.toml.")
         if not p.is_file():
             raise ConfigError(f"Config file '{p}' does not exist. Presets live in configs/, e.g. configs/tiny.toml.")
         try:
-            sections = tomllib.loads(p.read_text())
+            sections = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"Config file '{p}' is not valid TOML: {e}.") from None
+            raise ConfigError(f"Config file '{p}' is not valid TOML: {e}. Fix that line ([section] tables of "
+                              "key = value lines), or start from configs/tiny.toml.") from None
+        except (UnicodeDecodeError, OSError) as e:
+            raise ConfigError(f"Config file '{p}' could not be read as UTF-8 text ({e}); --config takes a TOML "
+                              "file, e.g. configs/tiny.toml.") from None
     return build_config(sections, parse_overrides(args or []))
 
 
-def _positive(cfg: Config, keys: list[str]) -> None:
-    for dotted in keys:
-        s, n = dotted.split(".")
-        v = getattr(getattr(cfg, s), n)
-        if v < 1:
-            raise ConfigError(f"{dotted} must be at least 1, got {v}.")
+def field_range(section: str, name: str) -> Range | None:
+    """The declared Range of config key section.name, or None when it has none."""
+    for f in fields(SECTIONS[section]):
+        if f.name == name:
+            return f.metadata.get("range")
+    raise KeyError(f"{section}.{name}")
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-TRAIN_PRECISIONS = PRECISIONS + ("fp64",)
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+def check_value(key: str, value: Any) -> None:
+    """Raise ConfigError, naming `key` and its range, unless `value` is one `key` (section.name) accepts.
+
+    The one place a setting's range is enforced: `validate` calls it for every field, and a lower level
+    that receives a setting directly (e.g. context parallel's method) calls it instead of re-wording it.
+    """
+    section, name = key.split(".")
+    rng = field_range(section, name) or Range()  # no declared range: any finite value
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float, str)) or rng.accepts(value):
+        return
+    if rng.choices is not None:
+        hint = closest(value, [str(c) for c in rng.choices]) if isinstance(value, str) else ""
+        shown = f"'{value}'" if isinstance(value, str) else repr(value)
+        raise ConfigError(f"{key} {shown} is not one of {', '.join(map(str, rng.choices))}.{hint} "
+                          f"Set --{key} to {rng.text()}.")
+    what = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
+    of = "of " if rng.text().startswith("at ") else ""
+    doc = re.split(r"(?<=[.;])\s", " ".join(_field_docs(inspect.getsource(SECTIONS[section])).get(name, "").split()))[0]
+    raise ConfigError(f"{key} must be {what}{rng.text()}, got {value}. Set --{key} (or {name} in the [{section}] "
+                      f"table) to a value {of}{rng.text()}." + (f" [{section}] {name}: {doc.rstrip('.;')}." if doc else ""))
 
 
 def validate(cfg: Config) -> None:
-    """Check values and combinations that need no world size; layout checks live in fourfold.mesh."""
+    """Check every field's range and the combinations that need no world size (layout rules: fourfold.layout)."""
+    for section in SECTIONS:
+        for f in fields(SECTIONS[section]):
+            check_value(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
     m, t, c = cfg.model, cfg.train, cfg.compute
-    _positive(cfg, ["model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
-                    "model.vocab_size", "model.max_seq_len", "train.steps", "train.global_batch",
-                    "train.micro_batch", "train.seq_len", "parallel.dp", "parallel.fsdp", "parallel.tp",
-                    "parallel.pp", "parallel.cp", "parallel.vpp"])
     if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}).")
+        raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}); change model.dim "
+                          "or model.n_heads.")
     if m.head_dim % 2:
         raise ConfigError(f"The head size model.dim / model.n_heads = {m.head_dim} must be even for rotary "
                           "embeddings; change model.dim or model.n_heads.")
     if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads}).")
+        raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads}); pick a "
+                          "divisor of n_heads (n_heads itself for plain multi-head attention).")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
                           "lower train.seq_len or raise model.max_seq_len.")
-    if c.precision not in TRAIN_PRECISIONS:
-        raise ConfigError(f"compute.precision '{c.precision}' is not one of {', '.join(TRAIN_PRECISIONS)}."
-                          f"{closest(c.precision, TRAIN_PRECISIONS)}")
-    if c.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"compute.device '{c.device}' is not one of auto, cpu, cuda.")
-    if not 0 < c.compile_memory_budget <= 1:
-        raise ConfigError(f"compute.compile_memory_budget ({c.compile_memory_budget}) must be in (0, 1].")
-    if c.compile_scope not in ("blocks", "model"):
-        raise ConfigError(f"compute.compile_scope '{c.compile_scope}' is not one of blocks, model.")
     if cfg.quant.float8 and c.precision != "bf16":
         raise ConfigError(f"quant.float8 runs the block matmuls in float8 around a bf16 model; it needs "
                           f"--compute.precision bf16 (got {c.precision}), or set --quant.float8 false.")
     rc = c.recompute
     if not (rc in ("none", "full", "selective") or (rc.startswith("every-") and rc[6:].isdigit() and int(rc[6:]) > 0)):
-        raise ConfigError(f"compute.recompute '{rc}' is not one of none, full, selective, every-N (N >= 1).")
-    if cfg.parallel.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule '{cfg.parallel.pp_schedule}' is not one of "
-                          f"{', '.join(PP_SCHEDULES)}.{closest(cfg.parallel.pp_schedule, PP_SCHEDULES)}")
-    for key in ("param_dtype", "reduce_dtype"):
-        if getattr(cfg.parallel, key) not in PRECISIONS:
-            raise ConfigError(f"parallel.{key} '{getattr(cfg.parallel, key)}' is not one of {', '.join(PRECISIONS)}.")
-    if cfg.parallel.cp_method not in ("ring", "allgather"):
-        raise ConfigError(f"parallel.cp_method '{cfg.parallel.cp_method}' is not one of ring, allgather.")
-    if cfg.parallel.zero not in (1, 2, 3):
-        raise ConfigError(f"parallel.zero must be 1, 2 or 3, got {cfg.parallel.zero}.")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}.")
+        raise ConfigError(f"compute.recompute '{rc}' is not one of none, full, selective, every-N (N >= 1); "
+                          "set --compute.recompute to one of them, e.g. every-2.")
     if m.rope_scaling is not None:
-        need = {"factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"}
-        missing = need - set(m.rope_scaling)
-        if missing:
-            raise ConfigError(f"model.rope_scaling lacks {', '.join(sorted(missing))}.")
+        _check_rope_scaling(m.rope_scaling)
+    stages = cfg.parallel.pp_layers
+    if stages is not None and not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in stages):
+        raise ConfigError(f"parallel.pp_layers {stages} must be a list of whole numbers of at least 1 (blocks per "
+                          "pipeline stage), e.g. --parallel.pp_layers '[2, 2]', or none to split evenly.")
+
+
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
+
+
+def _check_rope_scaling(scaling: dict) -> None:
+    missing = set(ROPE_SCALING_KEYS) - set(scaling)
+    if missing:
+        raise ConfigError(f"model.rope_scaling lacks {', '.join(sorted(missing))}; give all of "
+                          f"{', '.join(ROPE_SCALING_KEYS)}, or set it to none.")
+    for k in ROPE_SCALING_KEYS:
+        v = scaling[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"model.rope_scaling.{k} must be a finite number greater than 0, got {v!r}.")
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ConfigError(f"model.rope_scaling.high_freq_factor ({scaling['high_freq_factor']}) must be greater "
+                          f"than low_freq_factor ({scaling['low_freq_factor']}): the scaling blends between them.")
 
 
 def to_toml(cfg: Config) -> str:
@@ -465,19 +556,28 @@ def _toml_value(v: Any) -> str:
 
 
 def describe() -> str:
-    """The config reference as Markdown: every key, its default and its docstring."""
-    import inspect
-
+    """The config reference as Markdown: every key, its default, the values it accepts and its docstring."""
     out = []
     for section, cls in SECTIONS.items():
-        out.append(f"### [{section}]\n\n| key | default | meaning |\n|---|---|---|")
-        src = inspect.getsource(cls)
-        docs = _field_docs(src)
+        out.append(f"### [{section}]\n\n| key | default | valid | meaning |\n|---|---|---|---|")
+        docs = _field_docs(inspect.getsource(cls))
+        types = _section_types(cls)
         for f in fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else None
-            out.append(f"| `{section}.{f.name}` | `{default}` | {docs.get(f.name, '')} |")
+            rng = f.metadata.get("range")
+            valid = rng.text() if rng else _type_words(types[f.name])
+            out.append(f"| `{section}.{f.name}` | `{default}` | {valid} | {docs.get(f.name, '')} |")
         out.append("")
     return "\n".join(out)
+
+
+def _type_words(typ: Any) -> str:
+    """'true or false', 'text', 'a list or none': what an unbounded field takes."""
+    optional = get_origin(typ) is not None and type(None) in get_args(typ)
+    inner = next((a for a in get_args(typ) if a is not type(None)), typ) if optional else typ
+    words = {bool: "true or false", str: "text", int: "an integer", float: "a number", list: "a list",
+             dict: "a table"}.get(inner, str(inner))
+    return f"{words} or none" if optional else words
 
 
 def _field_docs(src: str) -> dict[str, str]:

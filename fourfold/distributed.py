@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fourfold.config import DEVICES
 from fourfold.errors import ConfigError
 
 
@@ -30,12 +31,23 @@ class DistEnv:
         return self.rank == 0
 
 
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """'auto' -> cuda:<local_rank> when CUDA is available, else cpu; 'cuda' without a GPU is an error."""
+def check_device(name: str, flag: str = "--compute.device", processes: int = 1) -> None:
+    """Raise ConfigError, naming `flag`, unless device `name` can run `processes` local processes here."""
+    if name not in DEVICES:
+        raise ConfigError(f"{flag} '{name}' is not one of {', '.join(DEVICES)}; set {flag} to one of them.")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{flag} is 'cuda' but this machine has no usable CUDA GPU; use {flag} cpu (or auto).")
+    gpus = torch.cuda.device_count() if name != "cpu" and torch.cuda.is_available() else 0
+    if gpus and processes > gpus:
+        raise ConfigError(f"--nproc {processes} starts one process per GPU on {flag} {name}, but this machine has "
+                          f"{gpus}; lower --nproc to {gpus} or less, or use {flag} cpu.")
+
+
+def pick_device(name: str, local_rank: int = 0, flag: str = "--compute.device") -> torch.device:
+    """'auto' -> cuda:<local_rank> when CUDA is available, else cpu; 'cuda' without a GPU is an error naming `flag`."""
+    check_device(name, flag)
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError("compute.device is 'cuda' but this machine has no usable CUDA GPU; use --compute.device cpu.")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

@@ -4,7 +4,8 @@
     tp_mesh = mesh.get("tp")          # a 1-D DeviceMesh, or None when tp == 1
     mesh.size("fsdp"), mesh.coord("tp")
 
-Only dimensions larger than one become mesh dimensions, in `fourfold.layout.DIM_ORDER`.
+Only dimensions larger than one become mesh dimensions, in `fourfold.layout.DIM_ORDER`. This module only
+builds groups: which layouts may run is decided in fourfold.layout, which `build` calls first.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fourfold.config import Config
 from fourfold.errors import LayoutError
-from fourfold.layout import DIM_ORDER, grid_coordinates, layout_sizes, validate_layout
+from fourfold.layout import DIM_ORDER, check_ranks_per_node, grid_coordinates, layout_sizes, validate_layout
 
 
 @dataclass
@@ -110,10 +111,9 @@ class ParallelMesh:
 
     def node_mesh(self, gpus_per_node: int) -> DeviceMesh:
         """The dp dimension reshaped to (node, local) for hierarchical all-reduce."""
+        check_ranks_per_node(self.sizes["dp"], gpus_per_node)  # the rule lives in fourfold.layout
         dp = self.get("dp")
-        if dp is None or self.sizes["dp"] % gpus_per_node or gpus_per_node < 1:
-            raise LayoutError(f"Hierarchical all-reduce needs parallel.dp ({self.sizes['dp']}) to be a multiple of "
-                              f"the ranks per node ({gpus_per_node}); set parallel.gpus_per_node.")
+        assert dp is not None, "node_mesh needs a dp dimension larger than one"
         ranks = dp.mesh.reshape(self.sizes["dp"] // gpus_per_node, gpus_per_node)
         return DeviceMesh(dp.device_type, ranks, mesh_dim_names=("node", "local"))
 

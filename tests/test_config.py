@@ -1,10 +1,12 @@
 """Config loading: TOML, dotted overrides, presets, validation messages, round trip."""
 
 import tomllib
+from dataclasses import fields
+from typing import get_type_hints
 
 import pytest
 
-from fourfold.config import build_config, describe, load_config, parse_overrides, to_toml
+from fourfold.config import SECTIONS, build_config, check_value, describe, load_config, parse_overrides, to_toml
 from fourfold.errors import ConfigError
 
 
@@ -69,3 +71,64 @@ def test_reference_lists_every_key():
     for section, values in cfg.to_dict().items():
         for key in values:
             assert f"`{section}.{key}`" in text
+
+
+def _numeric_fields():
+    for section, cls in SECTIONS.items():
+        types = get_type_hints(cls)
+        for f in fields(cls):
+            if types[f.name] in (int, float):
+                yield section, f, types[f.name]
+
+
+def test_every_numeric_field_declares_its_range():
+    missing = [f"{s}.{f.name}" for s, f, _ in _numeric_fields() if "range" not in f.metadata]
+    assert not missing, f"give these a setting(..., ge=/gt=/le=/lt=/choices=): {missing}"
+
+
+@pytest.mark.parametrize("key", [f"{s}.{f.name}" for s, f, t in _numeric_fields() if t is float])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_floats_are_refused_everywhere(key, value):
+    with pytest.raises(ConfigError, match=f"{key} must be a finite number"):
+        build_config({}, {key: value})
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("optim.lr", "0", "greater than 0"), ("optim.beta2", "1", "in [0, 1)"), ("optim.eps", "-1", "greater than 0"),
+    ("log.every", "0", "at least 1"), ("checkpoint.keep", "-1", "at least 0"), ("optim.min_lr_ratio", "2", "[0, 1]"),
+    ("model.norm_eps", "0", "greater than 0"), ("model.init_std", "-1", "at least 0"), ("data.max_bytes", "-1", "0"),
+])
+def test_out_of_range_names_the_key_the_range_and_the_flag(key, value, words):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, {key: value})
+    message = str(err.value)
+    assert key in message and words in message and f"Set --{key}" in message
+
+
+def test_toml_values_are_checked_like_flags(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[optim]\nlr = nan\n")
+    with pytest.raises(ConfigError, match="optim.lr must be a finite number"):
+        load_config(path)
+
+
+def test_reference_shows_each_range():
+    rows = {line.split("|")[1].strip(): line for line in describe().splitlines() if line.startswith("| `")}
+    assert "in [0, 1)" in rows["`optim.beta2`"]
+    assert "greater than 0" in rows["`optim.lr`"]
+    assert "fp32, bf16, fp16 or fp64" in rows["`compute.precision`"]
+
+
+def test_a_directory_or_binary_file_is_not_a_config(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\x89\x00\xff" * 10)
+    with pytest.raises(ConfigError, match="UTF-8"):
+        load_config(binary)
+
+
+def test_a_lower_level_checks_a_setting_with_the_config_rule():
+    check_value("parallel.cp_method", "ring")
+    with pytest.raises(ConfigError, match="ring or allgather"):
+        check_value("parallel.cp_method", "zigzag")

@@ -127,6 +127,17 @@ def test_source_files_errors(tmp_path):
         source_files(str(tmp_path / "empty"))
 
 
+def test_binary_data_is_named_and_reported_as_skipped(tmp_path):
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(b"\x00\x01\x02binary" * 10)
+    with pytest.raises(ConfigError, match=r"weights\.bin' is a binary file.*not text.*skipped"):
+        source_files(str(blob))
+    with pytest.raises(ConfigError, match=r"matches only binary files \(.*weights\.bin\).*skipped as not text"):
+        source_files(str(tmp_path / "*.bin"))
+    (tmp_path / "notes.txt").write_text("text")
+    assert source_files(str(tmp_path / "*")) == [tmp_path / "notes.txt"]  # binary matches are left out
+
+
 def test_stdlib_default_excludes_site_packages(tmp_path, monkeypatch):
     fake = write_docs(tmp_path / "lib", {"os.py": "x", "json/__init__.py": "x", "notes.txt": "x",
                                          "site-packages/pkg.py": "x", "dist-packages/pkg2.py": "x",

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fourfold.errors import ConfigError, LayoutError
+from fourfold.config import check_value
+from fourfold.errors import LayoutError
 from fourfold.parallel.comm import all_gather_along
 from fourfold.parallel.ring_attention import ring_attention
 
@@ -36,16 +37,17 @@ def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
     return cp_rank, 2 * cp - 1 - cp_rank
 
 
-def _check_divisible(length: int, cp: int) -> None:
-    if length % (2 * cp):
-        raise LayoutError(f"Context parallel cuts each sequence into 2*cp = {2 * cp} equal chunks, but the "
-                          f"sequence has {length} positions; make train.seq_len a multiple of {2 * cp} or "
-                          "change parallel.cp.")
+def check_sequence_split(seq_len: int, cp: int) -> None:
+    """Context parallel's rule (fourfold.layout runs it before any group): 2*cp equal chunks per sequence."""
+    if seq_len % (2 * cp):
+        raise LayoutError(f"Context parallel cuts each sequence into 2*cp = {2 * cp} equal chunks (load balance), "
+                          f"but the sequence has {seq_len} positions; make train.seq_len a multiple of {2 * cp} "
+                          "or change parallel.cp.")
 
 
 def shard_sequence(x: torch.Tensor, dim: int, cp_rank: int, cp: int) -> torch.Tensor:
     """This rank's load-balanced slice of `x` along `dim`: chunks r and 2cp-1-r of 2*cp, concatenated."""
-    _check_divisible(x.shape[dim], cp)
+    check_sequence_split(x.shape[dim], cp)
     chunks = x.chunk(2 * cp, dim=dim)
     first, second = chunk_ids(cp_rank, cp)
     return torch.cat([chunks[first], chunks[second]], dim=dim)
@@ -142,9 +144,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh_or_group, method: str = "ri
     `mesh.get("cp")` returns when cp == 1) leaves the model unchanged. Works on a whole model or a
     pipeline chunk (whatever blocks `model.layers` holds). Returns `model`.
     """
-    if method not in CORES:
-        raise ConfigError(f"parallel.cp_method '{method}' is not one of {', '.join(CORES)}; set "
-                          "--parallel.cp_method ring or allgather.")
+    check_value("parallel.cp_method", method)  # the config's one rule for this setting
     if cp_mesh_or_group is None:
         return model
     group = _group_of(cp_mesh_or_group)

@@ -34,6 +34,7 @@ import torch
 
 from fourfold.config import Config, DataConfig
 from fourfold.errors import ConfigError
+from fourfold.layout import check_global_batch
 from fourfold.tokenizer import ByteTokenizer, load_tokenizer
 
 
@@ -48,19 +49,29 @@ def source_files(path: str | None) -> list[Path]:
         return files
     p = Path(path)
     if p.is_file():
+        if _looks_binary(p):
+            raise ConfigError(f"data.path '{path}' is a binary file (a NUL byte in its first KiB), not text, so it "
+                              "would be skipped and leave nothing to train on; point data.path at text files "
+                              "(.txt, .py, .md, ...), or leave it unset to train on the Python standard library.")
         return [p]
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and not _looks_binary(f) and
                        not any(part.startswith(".") for part in f.relative_to(p).parts))
         if not files:
-            raise ConfigError(f"data.path '{path}' is a directory with no text files in it; point data.path at "
-                              "text files, or leave it unset to train on the Python standard library.")
+            raise ConfigError(f"data.path '{path}' is a directory with no text files in it (binary and hidden files "
+                              "are skipped); point data.path at text files, or leave it unset to train on the "
+                              "Python standard library.")
         return files
-    files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
-    if not files:
+    matches = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
+    if not matches:
         what = "matches no files" if any(c in path for c in "*?[") else "does not exist"
         raise ConfigError(f"data.path '{path}' {what}; give a text file, a directory or a glob "
                           "(e.g. 'data/*.txt'), or leave it unset to train on the Python standard library.")
+    files = [f for f in matches if not _looks_binary(f)]
+    if not files:
+        shown = ", ".join(str(f) for f in matches[:3]) + (f" and {len(matches) - 3} more" if len(matches) > 3 else "")
+        raise ConfigError(f"data.path '{path}' matches only binary files ({shown}), which are skipped as not text; "
+                          "point data.path at text files, or leave it unset to train on the Python standard library.")
     return files
 
 
@@ -77,7 +88,7 @@ def _read_documents(files: list[Path], max_bytes: int) -> list[bytes]:
         with open(f, "rb") as fh:
             raw = fh.read(max_bytes - total) if max_bytes else fh.read()
         if b"\0" in raw[:1024]:
-            continue  # binary file (a named file or glob match; directories are filtered earlier)
+            continue  # binary (source_files already leaves these out; a file may change after it looked)
         docs.append(raw)
         total += len(raw)
         if max_bytes and total >= max_bytes:
@@ -230,9 +241,7 @@ class TrainBatches:
 
     def __init__(self, dataset: PackedSequences, sampler: GlobalBatchSampler, micro_batch: int,
                  data_rank: int, data_world: int):
-        if sampler.global_batch % (micro_batch * data_world):
-            raise ConfigError(f"train.global_batch ({sampler.global_batch}) must be a multiple of "
-                              f"train.micro_batch * data-parallel ranks = {micro_batch} * {data_world}.")
+        check_global_batch(sampler.global_batch, micro_batch, data_world)  # the layout's rule, its words
         if not 0 <= data_rank < data_world:
             raise ValueError(f"data_rank {data_rank} is outside 0..{data_world - 1}")
         self.dataset, self.sampler = dataset, sampler
@@ -265,12 +274,25 @@ def validation_batches(dataset: PackedSequences, micro_batch: int, n_batches: in
     return _micro_batches(dataset, indices, micro_batch)
 
 
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    """Raise ConfigError unless the model's embedding has a row for every id the tokenizer produces."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
+                          f"{vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}.")
+
+
+def check_data_source(cfg: Config) -> None:
+    """The data rules checkable without reading the corpus: data.path names text files (when set), the tokenizer
+    loads and model.vocab_size covers it. The command line runs this before any work."""
+    if cfg.data.path is not None:
+        source_files(cfg.data.path)
+    check_vocab(load_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
+
+
 def build_data(cfg: Config, data_rank: int, data_world: int, is_writer: bool):
     """(tokenizer, TrainBatches, validation micro-batches) for this rank; see the module docstring for barriers."""
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"The tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
-                          f"{cfg.model.vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}.")
+    check_vocab(tokenizer, cfg.model.vocab_size)
     path = token_file(cfg.data, tokenizer, is_writer)
     t = cfg.train
     train_set = PackedSequences(path, t.seq_len, "train", cfg.data.val_fraction)

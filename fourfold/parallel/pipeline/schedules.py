@@ -63,27 +63,44 @@ class ScheduleError(RuntimeError):
     """A schedule is internally inconsistent (a bug in a schedule, not a user mistake): deadlock or mismatch."""
 
 
-def _check_common(pp: int, vpp: int, n_micro: int, rank: int) -> None:
+def _require_known(name: str) -> None:
+    if name not in SCHEDULES:
+        raise LayoutError(f"Unknown pipeline schedule '{name}'; choose one of {', '.join(SCHEDULES)} "
+                          "(--parallel.pp_schedule).")
+
+
+def check_schedule(name: str, pp: int, vpp: int, n_micro: int) -> None:
+    """The schedules' own rules, as LayoutErrors naming the keys to change (fourfold.layout runs this before any
+    process group; build_schedule runs it too). The compute-order functions below only assert them."""
+    _require_known(name)
     if pp < 1 or vpp < 1 or n_micro < 1:
         raise LayoutError(f"A pipeline needs pp, vpp and micro-batches >= 1 (got pp={pp}, vpp={vpp}, "
                           f"micro-batches={n_micro}).")
-    if not 0 <= rank < pp:
-        raise LayoutError(f"pp rank {rank} is outside 0..{pp - 1}.")
+    if vpp > 1 and pp < 2:
+        raise LayoutError(f"parallel.vpp={vpp} splits each pipeline rank into virtual stages, but parallel.pp is "
+                          f"{pp}; set --parallel.pp 2 or more, or --parallel.vpp 1.")
+    interleaved = name == "interleaved-1f1b" or (name == "zero-bubble" and vpp > 1)
+    if interleaved and n_micro % pp:
+        raise LayoutError(f"Interleaved schedules ({name}, vpp={vpp}) need the micro-batches per step ({n_micro}) "
+                          f"to be a multiple of pp ({pp}); change train.global_batch or train.micro_batch.")
+    if name == "interleaved-1f1b" and vpp < 2:
+        raise LayoutError("interleaved-1f1b needs parallel.vpp >= 2 virtual stages per rank; set --parallel.vpp 2 "
+                          "or use --parallel.pp_schedule 1f1b.")
+    if name in ("gpipe", "1f1b") and vpp != 1:
+        raise LayoutError(f"The {name} schedule runs one chunk per rank, but parallel.vpp is {vpp}; set "
+                          "--parallel.vpp 1, or --parallel.pp_schedule interleaved-1f1b (or zero-bubble) for "
+                          "virtual stages.")
 
 
 def _gpipe_compute(pp: int, vpp: int, n_micro: int, rank: int) -> list[Action]:
     """All forwards, then all backwards (micro-batch order): peak memory m, bubble (p-1)/m."""
-    if vpp != 1:
-        raise LayoutError("The gpipe schedule runs one chunk per rank; set --parallel.vpp 1 or use "
-                          "--parallel.pp_schedule interleaved-1f1b.")
+    assert vpp == 1, "check_schedule: gpipe runs one chunk per rank"
     return [Action("F", i) for i in range(n_micro)] + [Action("B", i) for i in range(n_micro)]
 
 
 def _one_f_one_b_compute(pp: int, vpp: int, n_micro: int, rank: int) -> list[Action]:
     """pp-rank-1 warm-up forwards, then alternate one forward and one backward, then drain backwards."""
-    if vpp != 1:
-        raise LayoutError("The 1f1b schedule runs one chunk per rank; for parallel.vpp > 1 set "
-                          "--parallel.pp_schedule interleaved-1f1b.")
+    assert vpp == 1, "check_schedule: 1f1b runs one chunk per rank"
     warmup = min(pp - rank - 1, n_micro)
     order = [Action("F", i) for i in range(warmup)]
     for i in range(n_micro - warmup):
@@ -100,14 +117,7 @@ def _interleaved_unit(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, in
 
 def _interleaved_compute(pp: int, vpp: int, n_micro: int, rank: int) -> list[Action]:
     """Megatron's interleaved 1F1B: (pp-rank-1)*2 + (vpp-1)*pp warm-up forwards, then 1F1B over chunk units."""
-    if vpp < 2:
-        raise LayoutError("interleaved-1f1b needs parallel.vpp >= 2 virtual stages per rank; set --parallel.vpp 2 "
-                          "or use --parallel.pp_schedule 1f1b.")
-    if pp < 2:
-        raise LayoutError(f"Interleaved schedules (vpp={vpp}) need parallel.pp >= 2; set --parallel.vpp 1.")
-    if n_micro % pp:
-        raise LayoutError(f"Interleaved schedules (vpp={vpp}) need the micro-batches per step ({n_micro}) to be a "
-                          f"multiple of pp ({pp}); change train.global_batch or train.micro_batch.")
+    assert vpp >= 2 and pp >= 2 and n_micro % pp == 0, "check_schedule: interleaved needs vpp, pp >= 2, pp | n_micro"
     units = n_micro * vpp
     warmup = min(units, (pp - rank - 1) * 2 + (vpp - 1) * pp)
     order = [Action("F", *_interleaved_unit(k, pp, vpp, True)) for k in range(warmup)]
@@ -235,9 +245,9 @@ def add_communication(computes: list[list[Action]], pp: int, vpp: int, rank: int
 
 def build_schedule(name: str, pp: int, vpp: int, n_micro: int, rank: int) -> list[Action]:
     """The full action list (compute and communication) of pp-rank `rank`; LayoutError for impossible combos."""
-    if name not in SCHEDULES:
-        raise LayoutError(f"Unknown pipeline schedule '{name}'; choose one of {', '.join(SCHEDULES)}.")
-    _check_common(pp, vpp, n_micro, rank)
+    check_schedule(name, pp, vpp, n_micro)
+    if not 0 <= rank < pp:
+        raise LayoutError(f"pp rank {rank} is outside 0..{pp - 1}.")
     computes = [SCHEDULES[name](pp, vpp, n_micro, r) for r in range(pp)]
     return add_communication(computes, pp, vpp, rank)
 
@@ -250,8 +260,7 @@ def analytic_bubble(name: str, pp: int, vpp: int, n_micro: int) -> float:
     (p-1)/(3 v m), a third of 1F1B's (ZB-H1 keeps only the warm-up forwards' wait). The simulator
     reproduces these exactly with t_B = 2 t_F (= 2 t_BW) for m >= p (ZB with vpp > 1: for pp <= 4).
     """
-    if name not in SCHEDULES:
-        raise LayoutError(f"Unknown pipeline schedule '{name}'; choose one of {', '.join(SCHEDULES)}.")
+    _require_known(name)
     bubble = (pp - 1) / (vpp * n_micro)
     return bubble / 3 if name == "zero-bubble" else bubble
 
