@@ -182,7 +182,7 @@ def cmd_generate(argv: list[str], console: Console) -> int:
 
 def cmd_config(argv: list[str], console: Console) -> int:
     """`fourfold config`: print the config reference; return 0."""
-    from fourfold.config import describe
+    from fourfold.config_text import describe
 
     ArgumentParser(prog="fourfold config", description="Print every config key with its default, valid values "
                                                         "and meaning.").parse_args(argv)

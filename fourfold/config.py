@@ -3,8 +3,8 @@
     cfg = load_config("configs/tiny.toml", ["--train.steps", "100", "--model.dim", "256"])
 
 Every field carries a docstring (the string under it) and, where it has one, its valid range declared
-beside it (`lr: float = setting(3e-3, gt=0)`); `describe()` turns both into the config reference and
-`validate` checks every range in one loop (non-finite floats are never valid). Unknown keys, values of the
+beside it (`lr: float = setting(3e-3, gt=0)`, fourfold.settings); `fourfold.config_text.describe()` turns
+both into the config reference and `validate` checks every range in one loop (non-finite floats are never valid). Unknown keys, values of the
 wrong type and values out of range raise `ConfigError` naming the key, the flag and what it accepts.
 Rules about the parallel layout (which need the world size) live in fourfold.layout.
 """
@@ -23,6 +23,7 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 from fourfold.errors import ConfigError, closest
 from fourfold.models.presets import PRESETS
+from fourfold.settings import Range, field_docs, setting
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,59 +36,6 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 CP_METHODS = ("ring", "allgather")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_SCOPES = ("blocks", "model")
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a setting accepts: bounds (ge/gt below, le/lt above) and/or a tuple of choices."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    choices: tuple | None = None
-
-    def accepts(self, value: Any) -> bool:
-        """True when `value` is inside the bounds and among the choices (a non-finite float never is)."""
-        if self.choices is not None:
-            return value in self.choices
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
-
-    def text(self) -> str:
-        """The range for people: 'at least 1', 'greater than 0', 'in [0, 1)', 'blocks or model'."""
-        if self.choices is not None:
-            return either(self.choices)
-        ge, gt, le, lt = (_number(v) for v in (self.ge, self.gt, self.le, self.lt))
-        low = (f"[{ge}" if ge is not None else f"({gt}") if (ge, gt) != (None, None) else None
-        high = (f"{le}]" if le is not None else f"{lt})") if (le, lt) != (None, None) else None
-        if low and high:
-            return f"in {low}, {high}"
-        if low:
-            return f"at least {ge}" if ge is not None else f"greater than {gt}"
-        if high:
-            return f"at most {le}" if le is not None else f"less than {lt}"
-        return "any value"
-
-
-def _number(v: float | None) -> str | None:
-    """A bound as text; large powers of two as 2^k."""
-    if isinstance(v, int) and v > 2**16 and v & (v - 1) == 0:
-        return f"2^{v.bit_length() - 1}"
-    return None if v is None else str(v)
-
-
-def either(choices) -> str:
-    """'a', 'a or b', 'a, b or c'."""
-    words = [str(c) for c in choices]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
-
-
-def setting(default: Any, *, ge=None, gt=None, le=None, lt=None, choices=None):
-    """A dataclass field whose valid range sits next to its docstring; `validate` checks it, `describe` shows it."""
-    return field(default=default, metadata={"range": Range(ge, gt, le, lt, tuple(choices) if choices else None)})
 
 
 @dataclass
@@ -473,7 +421,7 @@ def check_value(key: str, value: Any) -> None:
                           f"Set --{key} to {rng.text()}.")
     what = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
     of = "of " if rng.text().startswith("at ") else ""
-    doc = re.split(r"(?<=[.;])\s", " ".join(_field_docs(inspect.getsource(SECTIONS[section])).get(name, "").split()))[0]
+    doc = re.split(r"(?<=[.;])\s", " ".join(field_docs(inspect.getsource(SECTIONS[section])).get(name, "").split()))[0]
     raise ConfigError(f"{key} must be {what}{rng.text()}, got {value}. Set --{key} (or {name} in the [{section}] "
                       f"table) to a value {of}{rng.text()}." + (f" [{section}] {name}: {doc.rstrip('.;')}." if doc else ""))
 
@@ -526,66 +474,3 @@ def _check_rope_scaling(scaling: dict) -> None:
     if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ConfigError(f"model.rope_scaling.high_freq_factor ({scaling['high_freq_factor']}) must be greater "
                           f"than low_freq_factor ({scaling['low_freq_factor']}): the scaling blends between them.")
-
-
-def to_toml(cfg: Config) -> str:
-    """Serialise a config as TOML (the run directory's config.toml); None values are left out."""
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for k, v in values.items():
-            if v is None:
-                continue
-            lines.append(f"{k} = {_toml_value(v)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {v!r} as TOML")
-
-
-def describe() -> str:
-    """The config reference as Markdown: every key, its default, the values it accepts and its docstring."""
-    out = []
-    for section, cls in SECTIONS.items():
-        out.append(f"### [{section}]\n\n| key | default | valid | meaning |\n|---|---|---|---|")
-        docs = _field_docs(inspect.getsource(cls))
-        types = _section_types(cls)
-        for f in fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else None
-            rng = f.metadata.get("range")
-            valid = rng.text() if rng else _type_words(types[f.name])
-            out.append(f"| `{section}.{f.name}` | `{default}` | {valid} | {docs.get(f.name, '')} |")
-        out.append("")
-    return "\n".join(out)
-
-
-def _type_words(typ: Any) -> str:
-    """'true or false', 'text', 'a list or none': what an unbounded field takes."""
-    optional = get_origin(typ) is not None and type(None) in get_args(typ)
-    inner = next((a for a in get_args(typ) if a is not type(None)), typ) if optional else typ
-    words = {bool: "true or false", str: "text", int: "an integer", float: "a number", list: "a list",
-             dict: "a table"}.get(inner, str(inner))
-    return f"{words} or none" if optional else words
-
-
-def _field_docs(src: str) -> dict[str, str]:
-    """Map field name -> the string literal that follows its declaration in a dataclass body."""
-    tree = ast.parse(src)
-    body = tree.body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            docs[a.target.id] = str(b.value.value)
-    return docs

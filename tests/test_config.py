@@ -6,7 +6,8 @@ from typing import get_type_hints
 
 import pytest
 
-from fourfold.config import SECTIONS, build_config, check_value, describe, load_config, parse_overrides, to_toml
+from fourfold.config import SECTIONS, build_config, check_value, load_config, parse_overrides
+from fourfold.config_text import describe, to_toml
 from fourfold.errors import ConfigError
 
 

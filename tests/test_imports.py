@@ -18,8 +18,8 @@ PACKAGE = ROOT / "fourfold"
 
 # Lowest first. A module belongs to the layer of the longest prefix listed here.
 LAYERS: list[tuple[str, ...]] = [
-    ("fourfold", "fourfold.errors", "fourfold.units"),
-    ("fourfold.config", "fourfold.models.presets", "fourfold.preflight"),
+    ("fourfold", "fourfold.errors", "fourfold.units", "fourfold.settings"),
+    ("fourfold.config", "fourfold.config_text", "fourfold.models.presets", "fourfold.preflight"),
     ("fourfold.models", "fourfold.precision", "fourfold.hardware", "fourfold.distributed", "fourfold.ops",
      "fourfold.optim", "fourfold.tokenizer"),
     ("fourfold.layout", "fourfold.mesh", "fourfold.parallel", "fourfold.recompute", "fourfold.quant",

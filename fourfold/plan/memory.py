@@ -195,8 +195,6 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
         if padding:
             notes.append(f"FSDP2 pads this rank's shards by {format_bytes(padding)} (in parameters and again in "
                          "gradients); memory_report counts the unpadded local shards.")
-        if p.zero == 1 and p.fsdp > 1:
-            notes.append("parallel.zero=1 runs as FSDP (ZeRO-3) here: ZeRO-1 needs dp = tp = cp = 1.")
     elif strategy == "zero1":
         owner = zero1_partition(flat, p.fsdp)
         mine = sum(prm.numel for prm, o in zip(flat, owner) if o == coords["fsdp"])

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from rich.console import Console
 
 from fourfold.checkpoint.store import load_checkpoint, resolve_resume, save_checkpoint
-from fourfold.config import Config, to_toml
+from fourfold.config import Config
+from fourfold.config_text import to_toml
 from fourfold.distributed import DistEnv, init_distributed, world_from_env
 from fourfold.hardware import peak_flops, peak_memory_bytes, reset_peak_memory
 from fourfold.layout import grad_accumulation_steps, validate_layout
