@@ -43,7 +43,10 @@ LAYOUTS = {
     "pp4-1f1b": (4, 1, "1f1b", 4, 4),
     "pp4-zero-bubble": (4, 1, "zero-bubble", 8, 4),
 }
-FAST = {"pp2-1f1b", "pp2-zero-bubble", "pp2-vpp2-interleaved"}
+# pp4 is the smallest pipeline whose previous and next stages are different ranks: a send to the wrong
+# neighbour (or a receive from it) passes every pp2 case and hangs pp4 until the process group times out.
+FAST = {"pp2-1f1b", "pp2-zero-bubble", "pp2-vpp2-interleaved", "pp4-1f1b"}
+CASE_TIMEOUT = 60  # seconds; a correct case takes a few
 
 
 def model_config(n_layers: int = 4) -> ModelConfig:
@@ -124,7 +127,8 @@ def test_pipeline_matches_single_process(name, tmp_path):
     pp, vpp, schedule, n_micro, n_layers = LAYOUTS[name]
     ref = _reference(n_micro, n_layers)
     draw = name == "pp2-zero-bubble"
-    results = run_ranks(_pipeline_rank, pp, args=(vpp, schedule, n_micro, n_layers, str(tmp_path), draw))
+    results = run_ranks(_pipeline_rank, pp, args=(vpp, schedule, n_micro, n_layers, str(tmp_path), draw),
+                        timeout=CASE_TIMEOUT)
     last = results[-1]
     assert all(r["losses"] == [None] * STEPS and r["eval_loss"] is None for r in results[:-1])
     # One step: the loss and every parameter's gradient, each parameter held by exactly one rank.
