@@ -86,22 +86,25 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 300.0) -> 
     results: dict[int, object] = {}
     errors: list[str] = []
     deadline = time.monotonic() + timeout
-    while waiting and not errors:
+    while waiting:
         ready = multiprocessing.connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            errors.append(f"ranks {sorted(waiting.values())} gave no result within {timeout:.0f} s")
+            if not errors:
+                errors.append(f"ranks {sorted(waiting.values())} gave no result within {timeout:.0f} s")
+            break
         for conn in ready:
             rank = waiting.pop(conn)
             try:
                 status, payload = pickle.loads(conn.recv_bytes())
             except EOFError:
                 procs[rank].join(timeout=5)
-                errors.append(f"rank {rank} exited (code {procs[rank].exitcode}) without a result")
-                continue
-            if status == "error":
-                errors.append(f"rank {rank} failed:\n{payload}")
-            else:
+                status, payload = "exited", f"rank {rank} exited (code {procs[rank].exitcode}) without a result"
+            if status == "ok":
                 results[rank] = payload
+                continue
+            errors.append(payload if status == "exited" else f"rank {rank} failed:\n{payload}")
+            # The other ranks are likely stuck waiting for this one: give them a moment to report, then stop.
+            deadline = min(deadline, time.monotonic() + 2.0)
     for p in procs:
         p.join(timeout=5 if errors else timeout)
         if p.is_alive():

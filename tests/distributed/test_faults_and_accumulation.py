@@ -8,10 +8,12 @@
 (b) The dp=2 parity check of tests/distributed/test_layouts.py is run with sabotaged gradient reductions
     (summing without dividing by the world size; skipping the all-reduce so ranks drift apart): the
     comparison against the single-process run must fail, so the layout tests would catch a wrong collective.
+(c) The launcher those tests stand on fails a call whose rank raises or dies, rather than waiting forever.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -196,3 +198,27 @@ def test_ddp_bf16_gradient_reduction_is_active_and_close(tmp_path):
     assert 1e-5 < err["bf16"] < 2e-2, err
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "bf16")), torch.tensor(losses(tmp_path / "single")),
                                rtol=1e-2, atol=0)
+
+
+# ----- the launcher itself: a failing or vanished rank fails the call, it does not hang it -------------
+
+def _rank_one_raises(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one gives up")
+    dist.barrier()  # rank 0 waits for a peer that never comes
+
+
+def _rank_one_exits(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)  # no result, no traceback: as if killed
+    dist.barrier()
+
+
+def test_launcher_reports_a_rank_that_raises():
+    with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*ValueError: rank one gives up"):
+        run_ranks(_rank_one_raises, 2, timeout=60)
+
+
+def test_launcher_reports_a_rank_that_exits_without_a_result():
+    with pytest.raises(RuntimeError, match=r"rank 1 exited \(code 3\) without a result"):
+        run_ranks(_rank_one_exits, 2, timeout=60)
