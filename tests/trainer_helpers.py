@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from fourfold.testing import (PARITY_STEPS, PARITY_TOLERANCE, TINY_MODEL, final_weights, grad_norms, losses, tiny_config,
-                              train_on_rank, write_corpus)
+from fourfold.testing import (PARITY_STEPS, PARITY_TOLERANCE, TINY_MODEL, final_weights, grad_norms, losses,
+                              tiny_config, train_on_rank, write_corpus)
 
 __all__ = ["TINY_MODEL", "write_corpus", "tiny_config", "train_on_rank", "losses", "grad_norms", "final_weights",
            "run_results", "assert_matches_reference"]
@@ -30,7 +30,8 @@ def assert_matches_reference(run_dir: Path, ref: dict, check_grad_norm: bool = T
         # The gradient norm exposes a wrong reduction (a sum not divided, a missing all-reduce) that AdamW's
         # scale invariance and clipping would hide from the weights.
         rtol, atol = PARITY_TOLERANCE["grad_norm"]
-        torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=rtol, atol=atol)
+        torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]),
+                                   rtol=rtol, atol=atol)
     assert got["weights"].keys() == ref["weights"].keys()
     rtol, atol = PARITY_TOLERANCE["weight"]
     for key, value in ref["weights"].items():

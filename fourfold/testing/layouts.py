@@ -41,20 +41,22 @@ def model_overrides(overrides: dict) -> dict:
     return {k: v for k, v in overrides.items() if k.startswith("model.")}
 
 
-# The fast rows cover one layout per dimension (dp, fsdp, tp with sequence parallel, cp, pp) on 2 ranks.
+# `fast` rows take about a second each on 2 CPU cores and run in the default test selection; they hold every
+# dimension at least once, and pp4 (the smallest pipeline whose two neighbours differ). The others (DTensor
+# on 4 or 8 ranks, FSDP on 4) take several seconds and are marked slow.
 # Base config (fourfold.testing.runs.tiny_config): 4 layers, 4 heads, 2 kv heads, global batch 8, micro 2.
 LAYOUTS: dict[str, ParityLayout] = {
     "dp2": ParityLayout(2, {"parallel.dp": 2}, fast=True),
     "fsdp2": ParityLayout(2, {"parallel.fsdp": 2}, fast=True),
-    "zero1-2": ParityLayout(2, {"parallel.fsdp": 2, "parallel.zero": 1}),
-    "zero2-2": ParityLayout(2, {"parallel.fsdp": 2, "parallel.zero": 2}),
+    "zero1-2": ParityLayout(2, {"parallel.fsdp": 2, "parallel.zero": 1}, fast=True),
+    "zero2-2": ParityLayout(2, {"parallel.fsdp": 2, "parallel.zero": 2}, fast=True),
     "hsdp-2x2": ParityLayout(4, {"parallel.dp": 2, "parallel.fsdp": 2}),
     "ddp4-hierarchical-2x2": ParityLayout(4, {"parallel.dp": 4, "parallel.hierarchical_allreduce": True,
-                                              "parallel.gpus_per_node": 2}),
-    "fsdp2-reshard-off": ParityLayout(2, {"parallel.fsdp": 2, "parallel.reshard_after_forward": False}),
+                                              "parallel.gpus_per_node": 2}, fast=True),
+    "fsdp2-reshard-off": ParityLayout(2, {"parallel.fsdp": 2, "parallel.reshard_after_forward": False}, fast=True),
     "fsdp4": ParityLayout(4, {"parallel.fsdp": 4}),
-    "ddp4": ParityLayout(4, {"parallel.dp": 4}),
-    "zero1-4": ParityLayout(4, {"parallel.fsdp": 4, "parallel.zero": 1}),
+    "ddp4": ParityLayout(4, {"parallel.dp": 4}, fast=True),
+    "zero1-4": ParityLayout(4, {"parallel.fsdp": 4, "parallel.zero": 1}, fast=True),
     "zero2-4": ParityLayout(4, {"parallel.fsdp": 4, "parallel.zero": 2}),
     "tp2": ParityLayout(2, {"parallel.tp": 2, "parallel.sequence_parallel": False}),
     "tp2-sp": ParityLayout(2, {"parallel.tp": 2}, fast=True),
@@ -63,15 +65,16 @@ LAYOUTS: dict[str, ParityLayout] = {
     "cp2-fsdp2": ParityLayout(4, {"parallel.cp": 2, "parallel.fsdp": 2}),
     "cp2-tp2": ParityLayout(4, {"parallel.cp": 2, "parallel.tp": 2}),
     "pp2-1f1b": ParityLayout(2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, fast=True),
-    "pp2-gpipe": ParityLayout(2, {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}),
-    "pp2-zb": ParityLayout(2, {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble"}),
-    "pp2-vpp2": ParityLayout(2, {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "interleaved-1f1b"}),
+    "pp2-gpipe": ParityLayout(2, {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}, fast=True),
+    "pp2-zb": ParityLayout(2, {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble"}, fast=True),
+    "pp2-vpp2": ParityLayout(2, {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "interleaved-1f1b"},
+                             fast=True),
     "pp2-fsdp2": ParityLayout(4, {"parallel.pp": 2, "parallel.fsdp": 2}),
     "tp4-kv-split": ParityLayout(4, {"parallel.tp": 4, "model.n_kv_heads": 4}),
     "cp4": ParityLayout(4, {"parallel.cp": 4}),
-    "cp2-allgather": ParityLayout(2, {"parallel.cp": 2, "parallel.cp_method": "allgather"}),
-    "pp4-1f1b": ParityLayout(4, {"parallel.pp": 4}),
-    "pp4-zb": ParityLayout(4, {"parallel.pp": 4, "parallel.pp_schedule": "zero-bubble"}),
+    "cp2-allgather": ParityLayout(2, {"parallel.cp": 2, "parallel.cp_method": "allgather"}, fast=True),
+    "pp4-1f1b": ParityLayout(4, {"parallel.pp": 4}, fast=True),
+    "pp4-zb": ParityLayout(4, {"parallel.pp": 4, "parallel.pp_schedule": "zero-bubble"}, fast=True),
     "4d-pp2-fsdp2-tp2": ParityLayout(8, {"parallel.pp": 2, "parallel.fsdp": 2, "parallel.tp": 2}),
     "pp2-cp2-tp2": ParityLayout(8, {"parallel.pp": 2, "parallel.cp": 2, "parallel.tp": 2}),
 }

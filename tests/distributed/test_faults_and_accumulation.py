@@ -184,7 +184,6 @@ def test_sum_without_dividing_is_seen_plainly_in_the_gradient_norm(runs):
     assert first == pytest.approx(ref["losses"][0], rel=1e-12)  # the first loss precedes any update
 
 
-@pytest.mark.slow
 def test_ddp_bf16_gradient_reduction_is_active_and_close(tmp_path):
     """parallel.reduce_dtype bf16 under DDP: the all-reduce runs in bf16 (gradient norms move by bf16 rounding,
     ~1e-3, where the fp32 reduction agrees with one process to ~1e-7) and training still follows the reference."""

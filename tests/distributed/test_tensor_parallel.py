@@ -265,8 +265,8 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if layout.ranks > 2 else ())
+                                  for n, layout in LAYOUTS.items()])
 def test_layout_matches_single_process(name, rank_results, references):
     layout = LAYOUTS[name]
     ref = references(layout)
@@ -342,7 +342,6 @@ def test_trainer_hands_the_optimizer_each_ranks_share_of_one_process_gradient(tm
     assert any(codes == ("R",) and "norm" in name for name, (_, _, codes, _) in ranks[0][0].items())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp2", "tp2-sp"])
 def test_vocab_parallel_loss_never_gathers_logits(name, rank_results):
     for result in rank_results(LAYOUTS[name].ranks):
@@ -351,7 +350,6 @@ def test_vocab_parallel_loss_never_gathers_logits(name, rank_results):
         assert all("all_reduce" in op for op in collectives), collectives
 
 
-@pytest.mark.slow
 def test_sequence_parallel_divides_norm_activations_by_tp(rank_results):
     tp = 2
     single_norm, _ = _norm_saved_bytes(_model({}), _batches(BASE_MODEL["vocab_size"])[0][0])
@@ -362,7 +360,6 @@ def test_sequence_parallel_divides_norm_activations_by_tp(rank_results):
         assert sp_all < plain_all
 
 
-@pytest.mark.slow
 def test_sequence_parallel_rejects_indivisible_sequence(rank_results):
     for result in rank_results(2):
         assert "multiple of 2" in result["odd_sequence"]
