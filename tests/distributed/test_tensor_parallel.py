@@ -13,12 +13,14 @@ the activation bytes the norms save for backward; layouts that tp does not divid
 All multi-process cases of one world size run in one spawn (the fixture below), to keep the suite fast.
 
 Through the real Trainer: what the optimizer reads on each tp rank is that rank's share of one process's
-gradient, in the parameter's own placement. Sequence parallel leaves the norm weights' gradients as
-pending sums (Partial) and the embedding's replicated; the trainer settles them before clipping. On
-torch 2.13 a run that skips the settle still trains exactly like one process (DTensor redistributes the
-gradient inside every clipping and AdamW op that reads it, at the price of extra collectives), so parity
-alone cannot see it; torch 2.11's AdamW stepped on each rank's unreduced share instead. Only the
-gradient the optimizer is handed shows the difference on every release.
+gradient, in the parameter's own placement. Without FSDP, sequence parallel leaves the norm weights'
+gradients as pending sums (Partial) and the vocab-sharded embedding's replicated; the trainer settles them
+before clipping (with FSDP on another mesh dimension its reduce-scatter already places every gradient).
+A run that skips the settle still trains exactly like one process on torch 2.13, losses, gradient norms
+and weights alike: DTensor redistributes a Partial gradient inside every AdamW op that reads it (27
+all-reduces per optimizer step on the tiny config, against none once settled), so parity cannot see it,
+while torch 2.11's AdamW stepped on each rank's unreduced share. Only the gradient the optimizer is
+handed shows the difference on every release.
 """
 
 from __future__ import annotations
