@@ -1,15 +1,12 @@
-"""The few collectives fourfold writes itself, as autograd functions whose backward is the dual collective.
+"""The few collectives fourfold writes itself (context parallelism's), the differentiable one as an autograd
+function whose backward is the dual collective.
 
     all_gather_along(x, dim, group)      forward all-gather along dim     backward reduce-scatter along dim
-    reduce_scatter_along(x, dim, group)  forward reduce-scatter along dim backward all-gather along dim
-    all_reduce_sum(x, group)             forward all-reduce (sum)         backward identity
-    copy_to_group(x, group)              forward identity                 backward all-reduce (sum)
     send_recv_next(tensors, group)       send to group rank r+1, receive from r-1 (not differentiable)
 
-The gradient conventions are the usual ones: `all_reduce_sum` and `copy_to_group` are a pair (a tensor
-replicated over the group enters through `copy_to_group`, per-rank partial results leave through
-`all_reduce_sum`, and the loss downstream is then the same on every rank); `all_gather_along` and
-`reduce_scatter_along` treat each rank's loss as one term of a sum over ranks.
+`all_gather_along` treats each rank's loss as one term of a sum over ranks: the gradient of a gathered
+tensor is summed over ranks and each rank keeps its own slice. Tensor parallelism needs no collectives
+of ours: DTensor's `parallelize_module` brings its own.
 
 Every function takes its process group explicitly. The transport is always torch.distributed (NCCL on
 GPUs, gloo on CPUs); these only arrange its calls.
@@ -37,24 +34,16 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The sum of every rank's `x`, cut into world equal slices along `dim`; this rank's slice."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    """The sum of every rank's `x`, cut into world equal slices along `dim`; this rank's slice.
+
+    Only the backward of `_gather` calls it, with a gradient of world times the gathered size along `dim`.
+    """
+    world = dist.get_world_size(group)
     if world == 1:
         return x
-    if x.shape[dim] % world:
-        raise ValueError(f"reduce-scatter along dim {dim} needs its size ({x.shape[dim]}) divisible by {world}")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    try:
-        _reduce_scatter_single(out, front, group=group)
-    except (RuntimeError, NotImplementedError):
-        # Some gloo builds have no reduce-scatter (for some dtypes or torch versions); the check fails
-        # before any data moves, so fall back to all-reduce + slice: same sum, world times the bytes.
-        if dist.get_backend(group) != "gloo":
-            raise
-        summed = front.clone()
-        dist.all_reduce(summed, group=group)
-        out = summed[rank * out.shape[0]:(rank + 1) * out.shape[0]]
+    _reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -71,66 +60,9 @@ class _AllGatherAlong(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
-class _ReduceScatterAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        """`x` summed over the group; this rank's slice along `dim`."""
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        """The gradient all-gathered along `dim`."""
-        return _gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        """`x` summed over the group, in a new tensor."""
-        out = x.clone()  # never reduce into the caller's tensor
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        """The gradient unchanged."""
-        return grad, None
-
-
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        """`x` unchanged (a view)."""
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        """The gradient summed over the group."""
-        summed = grad.contiguous().clone()
-        dist.all_reduce(summed, group=ctx.group)
-        return summed, None
-
-
 def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` in group-rank order (backward: reduce-scatter the grad)."""
     return _AllGatherAlong.apply(x, dim, group)
-
-
-def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Sum `x` over the group and keep this rank's slice along `dim` (backward: all-gather the grad)."""
-    return _ReduceScatterAlong.apply(x, dim, group)
-
-
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum `x` over the group (backward: identity, since the downstream grad is already replicated)."""
-    return _AllReduceSum.apply(x, group)
-
-
-def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
-    """Identity on a tensor replicated over the group (backward: sum every rank's grad)."""
-    return _CopyToGroup.apply(x, group)
 
 
 class PendingExchange:

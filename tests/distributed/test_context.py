@@ -198,7 +198,6 @@ def reference():
     return attention, _train(model, _single_step(model))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_attention_core_matches_full_causal_attention(cp_results, reference, method):
     cp, ranks = cp_results
@@ -208,7 +207,6 @@ def test_attention_core_matches_full_causal_attention(cp_results, reference, met
                                        msg=lambda m: f"cp={cp} rank {rank} {name}: {m}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_llama_logits_and_gradients_match_single_process(cp_results, reference, method):
     cp, ranks = cp_results
@@ -221,7 +219,6 @@ def test_llama_logits_and_gradients_match_single_process(cp_results, reference, 
                                        msg=lambda m: f"cp={cp} rank {rank} grad {name}: {m}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_llama_adamw_steps_match_single_process(cp_results, reference, method):
     cp, ranks = cp_results

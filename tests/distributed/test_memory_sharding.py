@@ -96,7 +96,7 @@ def _rank_main(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]  # a 4-rank spawn alone costs ~12 s on 2 CPU cores
+WORLDS = [2, 4]
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,10 @@ LAYOUTS = {
     "pp4-1f1b": (4, 1, "1f1b", 4, 4),
     "pp4-zero-bubble": (4, 1, "zero-bubble", 8, 4),
 }
-FAST = {"pp2-1f1b", "pp2-zero-bubble", "pp2-vpp2-interleaved"}
+# Every case takes about a second, so none is marked slow. pp4 matters: it is the smallest pipeline whose
+# previous and next stages are different ranks, so a send to the wrong neighbour (or a receive from it)
+# passes every pp2 case and hangs pp4 until the process group times out (CASE_TIMEOUT).
+CASE_TIMEOUT = 60  # seconds
 
 
 def model_config(n_layers: int = 4) -> ModelConfig:
@@ -119,12 +122,13 @@ def _reference(n_micro: int, n_layers: int) -> dict:
     return single_process(n_micro, n_layers)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_matches_single_process(name, tmp_path):
     pp, vpp, schedule, n_micro, n_layers = LAYOUTS[name]
     ref = _reference(n_micro, n_layers)
     draw = name == "pp2-zero-bubble"
-    results = run_ranks(_pipeline_rank, pp, args=(vpp, schedule, n_micro, n_layers, str(tmp_path), draw))
+    results = run_ranks(_pipeline_rank, pp, args=(vpp, schedule, n_micro, n_layers, str(tmp_path), draw),
+                        timeout=CASE_TIMEOUT)
     last = results[-1]
     assert all(r["losses"] == [None] * STEPS and r["eval_loss"] is None for r in results[:-1])
     # One step: the loss and every parameter's gradient, each parameter held by exactly one rank.

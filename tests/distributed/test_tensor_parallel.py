@@ -11,18 +11,31 @@ below is rtol 1e-10 / atol 1e-12.
 Besides parity: the vocab-parallel loss never all-gathers the logits; sequence parallel divides by tp
 the activation bytes the norms save for backward; layouts that tp does not divide raise LayoutError.
 All multi-process cases of one world size run in one spawn (the fixture below), to keep the suite fast.
+
+Through the real Trainer: what the optimizer reads on each tp rank is that rank's share of one process's
+gradient, in the parameter's own placement. Without FSDP, sequence parallel leaves the norm weights'
+gradients as pending sums (Partial) and the vocab-sharded embedding's replicated; the trainer settles them
+before clipping (with FSDP on another mesh dimension its reduce-scatter already places every gradient).
+A run that skips the settle still trains exactly like one process on torch 2.13, losses, gradient norms
+and weights alike: DTensor redistributes a Partial gradient inside every AdamW op that reads it (27
+all-reduces per optimizer step on the tiny config, against none once settled), so parity cannot see it,
+while torch 2.11's AdamW stepped on each rank's unreduced share. Only the gradient the optimizer is
+handed shows the difference on every release.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
 from fourfold.config import ModelConfig, OptimConfig
 from fourfold.errors import LayoutError
+from fourfold.testing import PARITY_OVERRIDES, tiny_config
+from fourfold.train.trainer import Trainer
 from tests.distributed.launcher import run_ranks
 
 SEED, STEPS, BATCH, SEQ = 7, 5, 4, 16
@@ -254,8 +267,8 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if layout.ranks > 2 else ())
+                                  for n, layout in LAYOUTS.items()])
 def test_layout_matches_single_process(name, rank_results, references):
     layout = LAYOUTS[name]
     ref = references(layout)
@@ -279,7 +292,58 @@ def test_layout_matches_single_process(name, rank_results, references):
         assert got["tied"] == bool(layout.model.get("tie_embeddings"))
 
 
-@pytest.mark.slow
+# ----- through the trainer: the gradients the optimizer reads -------------------------------------
+def _placement_codes(t) -> tuple[str, ...] | None:
+    """'S<dim>' / 'R' / 'P' per mesh dimension of a DTensor; None for a plain tensor."""
+    if not hasattr(t, "placements"):
+        return None
+    return tuple(f"S{p.dim}" if p.is_shard() else "R" if p.is_replicate() else "P" for p in t.placements)
+
+
+def _optimizer_inputs(rank: int, world: int, tmp: str, overrides: dict, run: str) -> list[dict]:
+    """Train with the real Trainer; at every optimizer step record, per parameter, this rank's local
+    gradient, the gradient's and the parameter's placements and this rank's mesh coordinate."""
+    trainer = Trainer(tiny_config(Path(tmp), **overrides), Path(tmp) / run)
+    seen: list[dict] = []
+
+    def record(*_):
+        seen.append({name: ((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().clone(),
+                            _placement_codes(p.grad), _placement_codes(p),
+                            tuple(p.device_mesh.get_coordinate()) if hasattr(p, "device_mesh") else None)
+                     for name, p in trainer.model.named_parameters()})
+
+    trainer.optimizer.register_step_pre_hook(record)
+    trainer.run()
+    return seen
+
+
+def _share(full: torch.Tensor, placements: tuple[str, ...] | None, coordinate, mesh_shape) -> torch.Tensor:
+    """The part of `full` a rank at `coordinate` holds under `placements` (even splits only)."""
+    for code, index, size in zip(placements or (), coordinate or (), mesh_shape):
+        if code.startswith("S"):
+            full = full.chunk(size, dim=int(code[1:]))[index]
+    return full
+
+
+def test_trainer_hands_the_optimizer_each_ranks_share_of_one_process_gradient(tmp_path):
+    tp, steps = 2, 2
+    overrides = {**PARITY_OVERRIDES, "train.steps": steps}
+    reference = _optimizer_inputs(0, 1, str(tmp_path), overrides, "single")
+    ranks = run_ranks(_optimizer_inputs, tp, args=(str(tmp_path), {**overrides, "parallel.tp": tp}, "tp2-sp"))
+    assert len(reference) == steps and all(len(r) == steps for r in ranks)
+    for rank, seen in enumerate(ranks):
+        for step, (got, ref) in enumerate(zip(seen, reference)):
+            assert got.keys() == ref.keys()
+            for name, (local, grad_placements, placements, coordinate) in got.items():
+                where = f"rank {rank} step {step} {name}"
+                assert placements is not None, f"{where}: tp should make every parameter a DTensor"
+                assert grad_placements == placements, f"{where}: gradient {grad_placements}, parameter {placements}"
+                _close(local, _share(ref[name][0], placements, coordinate, (tp,)), where)
+    # Under sequence parallel the norm weights are replicated DTensors: the parameters whose backward leaves
+    # pending sums to settle.
+    assert any(codes == ("R",) and "norm" in name for name, (_, _, codes, _) in ranks[0][0].items())
+
+
 @pytest.mark.parametrize("name", ["tp2", "tp2-sp"])
 def test_vocab_parallel_loss_never_gathers_logits(name, rank_results):
     for result in rank_results(LAYOUTS[name].ranks):
@@ -288,7 +352,6 @@ def test_vocab_parallel_loss_never_gathers_logits(name, rank_results):
         assert all("all_reduce" in op for op in collectives), collectives
 
 
-@pytest.mark.slow
 def test_sequence_parallel_divides_norm_activations_by_tp(rank_results):
     tp = 2
     single_norm, _ = _norm_saved_bytes(_model({}), _batches(BASE_MODEL["vocab_size"])[0][0])
@@ -299,7 +362,6 @@ def test_sequence_parallel_divides_norm_activations_by_tp(rank_results):
         assert sp_all < plain_all
 
 
-@pytest.mark.slow
 def test_sequence_parallel_rejects_indivisible_sequence(rank_results):
     for result in rank_results(2):
         assert "multiple of 2" in result["odd_sequence"]
