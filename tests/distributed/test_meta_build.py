@@ -1,9 +1,11 @@
 """The model is built on the meta device: each rank allocates only its shards, and starts from one process's weights.
 
 (a) Every rank's parameters, gathered to full tensors, equal bit for bit (float64) what `Llama(cfg)` gives
-    one process with the same seed, under FSDP, tensor parallel with FSDP (2-D DTensors), tied embeddings,
-    pipeline stages with tp or with virtual stages and FSDP, DDP and ZeRO-1; no parameter is left on the
-    meta device and the rotary tables are the model's. One spawn of 4 gloo ranks builds every layout.
+    one process with the same seed, under FSDP (even and uneven shards), tensor parallel with FSDP (2-D
+    DTensors, tied embeddings, uneven), pipeline stages with tp or with virtual stages and FSDP, DDP,
+    ZeRO-1, context parallel with recomputation and compile, and float8 (in its fp32 master weights); no
+    parameter is left on the meta device and the rotary tables are the model's. One spawn of 4 gloo ranks
+    builds every layout.
 (b) fsdp=4 on a 673 MB fp32 model (dim 1024, 8 layers, vocab 32000): the growth of each rank's peak
     resident memory while building, and while saving a checkpoint with AdamW state, stays under half of
     the full fp32 model. Measured: VmHWM from /proc/self/status, reset through /proc/self/clear_refs
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -30,9 +33,14 @@ LAYOUTS = {
     "pp2-tp2": {"parallel.pp": 2, "parallel.tp": 2},
     "pp2-vpp2-fsdp2": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.fsdp": 2,
                        "parallel.pp_schedule": "interleaved-1f1b"},
-    "ddp4": {"parallel.dp": 4},
+    "ddp4-tied": {"parallel.dp": 4, "model.tie_embeddings": True},
     "zero1-4": {"parallel.fsdp": 4, "parallel.zero": 1},
+    # context parallel, recomputation and (regional) compile are applied on the meta device too
+    "cp2-fsdp2-recompute-compile": {"parallel.cp": 2, "parallel.fsdp": 2, "compute.recompute": "full",
+                                    "compute.compile": True},
 }
+if importlib.util.find_spec("torchao") is not None:  # float8 linears swapped in on the meta device
+    LAYOUTS["fsdp4-float8"] = {"parallel.fsdp": 4, "compute.precision": "bf16", "quant.float8": True}
 BIG_MODEL = {"model.dim": 1024, "model.n_layers": 8, "model.n_heads": 16, "model.n_kv_heads": 8,
              "model.ffn_dim": 2816, "model.vocab_size": 32000, "model.max_seq_len": 64}
 
@@ -67,13 +75,15 @@ def _compare_with_one_process(rank: int, world: int, tmp: str) -> dict:
     from fourfold.checkpoint.state import as_module
     from fourfold.models.init import canonical_name
     from fourfold.models.llama import Llama
+    from fourfold.precision import master_dtype
 
     out = {}
     for name, overrides in LAYOUTS.items():
         cfg, mesh, dp = _layout(Path(tmp), rank, world, {"compute.precision": "fp64", **overrides})
         chunks = _build(cfg, mesh, dp)
         torch.manual_seed(SEED)
-        reference = Llama(cfg.model).double()
+        dtype = master_dtype(cfg.compute.precision)
+        reference = Llama(cfg.model).to(dtype)
         ref = dict(reference.named_parameters())
         compared, wrong = [], []
         for param_name, p in as_module(chunks).named_parameters():
@@ -83,7 +93,7 @@ def _compare_with_one_process(rank: int, world: int, tmp: str) -> dict:
                 continue
             full = p.full_tensor() if isinstance(p, DTensor) else p  # collective: same order on every rank
             compared.append(key)
-            if full.dtype != torch.float64 or not torch.equal(full, ref[key]):
+            if full.dtype != dtype or not torch.equal(full, ref[key]):
                 wrong.append(key)
         for chunk in as_module(chunks).modules():
             if isinstance(chunk, Llama) and not (torch.equal(chunk.rope_cos, reference.rope_cos)
