@@ -35,7 +35,7 @@ BLOCK_ELEMENTS = 2**20  # elements per generated block of rows: part of the defi
 
 
 def canonical_name(name: str) -> str:
-    """A parameter name without wrapper segments: layers.0._orig_mod.attention.wq.weight -> layers.0.attention.wq.weight."""
+    """A name without wrapper segments: layers.0._orig_mod.attention.wq.weight -> layers.0.attention.wq.weight."""
     return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
 
 

@@ -165,9 +165,10 @@ class Llama(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Initial values of every parameter and the rotary tables; what is on the meta device is left alone.
 
-        Parameters: normal(0, init_std), residual outputs scaled by 1/sqrt(2 * n_layers), norms 1, each
-        from its own generator seeded by (`seed`, its name), `seed` defaulting to torch.initial_seed()
-        (fourfold.models.init); on a sharded model (after `to_empty`) each rank fills its own shard.
+        Parameters: normal(0, init_std), residual outputs scaled by 1/sqrt(2 * n_layers), norms 1, drawn
+        from generators seeded by (`seed`, the parameter's name, row block), `seed` defaulting to
+        torch.initial_seed() (fourfold.models.init); on a sharded model (after `to_empty`) each rank
+        fills only its own shard, with the values one process would have there.
         """
         if self.rope_cos.device.type != "meta":
             cos, sin = rotary_tables(self.cfg)

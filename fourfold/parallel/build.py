@@ -43,7 +43,8 @@ def materialize(chunk: Llama, model_cfg: ModelConfig, param_device: torch.device
 
 
 def build_model(model_cfg: ModelConfig, parallel: ParallelConfig, compute: ComputeConfig, quant: QuantConfig,
-                mesh: ParallelMesh, dp: DataParallel, device: torch.device, *, seed: int | None = None) -> list[nn.Module]:
+                mesh: ParallelMesh, dp: DataParallel, device: torch.device, *,
+                seed: int | None = None) -> list[nn.Module]:
     """This rank's model chunks (one chunk unless pp > 1), parallelized and on `device` in the master dtype.
 
     `seed` (default `torch.initial_seed()`, which the trainer sets from train.seed) picks the initial weights.
