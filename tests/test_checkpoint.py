@@ -1,6 +1,8 @@
 """Checkpoints: atomic saves survive a crash, keep-K retention, pickle-free loading, clear errors on damaged
-files, and resharding: a checkpoint written under fsdp=2 resumes under tp=2 and in one process, with the
-continued losses and final weights of a run that never stopped (float64, gloo).
+files, and resharding: a checkpoint written under fsdp=2 resumes under tp=2 and in one process, one written
+under ZeRO-1 (optimizer state sent to the writer by each owner) resumes under ZeRO-1 and FSDP, with the
+continued losses and final weights of a run that never stopped (float64, gloo). The streaming safetensors
+writer puts blocks written in any order where safetensors reads them.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fourfold.cli import main
 from fourfold.errors import CheckpointError
 from fourfold.models.llama import Llama
 from fourfold.checkpoint import store as ckpt_mod
+from fourfold.checkpoint.safetensors_io import SafetensorsWriter, TensorReader
 from fourfold.checkpoint.store import latest_checkpoint, list_checkpoints, resolve_resume
 from fourfold.train.metrics import read_metrics
 from fourfold.train.trainer import Trainer, train
@@ -230,3 +234,55 @@ def test_fsdp_checkpoint_resumes_under_tp_and_single_process(reference):
                                    rtol=1e-9, atol=1e-12, msg=lambda m: f"{run}: {m}")
         _assert_same_weights(final_weights(tmp / run), ref_weights, exact=False)
     assert losses(tmp / "tp2") == pytest.approx(losses(tmp / "single"), rel=1e-9)
+
+
+def _zero1_then_zero1_and_fsdp(rank: int, world: int, tmp: str) -> None:
+    tmp = Path(tmp)
+    zero1 = {"parallel.fsdp": 2, "parallel.zero": 1}
+    Trainer(_cfg(tmp, **zero1, **{"checkpoint.every": 2}), tmp / "zero1").run(until=2)
+    saved = tmp / "zero1" / "checkpoints" / "step_2"
+    train(_cfg(tmp, **zero1), tmp / "zero1-resumed", resume=str(saved))
+    train(_cfg(tmp, **{"parallel.fsdp": 2}), tmp / "fsdp-from-zero1", resume=str(saved))
+
+
+def test_zero1_checkpoint_resumes_under_zero1_and_fsdp(reference):
+    tmp, ref_losses, ref_weights = reference
+    run_ranks(_zero1_then_zero1_and_fsdp, 2, args=(str(tmp),))
+    first = _losses_by_step(tmp / "zero1")
+    for run in ("zero1-resumed", "fsdp-from-zero1"):
+        continued = _losses_by_step(tmp / run)
+        assert sorted(continued) == [3, 4], run
+        got = [first[1], first[2], continued[3], continued[4]]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor([ref_losses[s] for s in (1, 2, 3, 4)]),
+                                   rtol=1e-9, atol=1e-12, msg=lambda m: f"{run}: {m}")
+        _assert_same_weights(final_weights(tmp / run), ref_weights, exact=False)
+
+
+# ----- the streaming writer -----------------------------------------------------------------------
+
+def test_blocks_written_in_any_order_read_back_with_safetensors(tmp_path):
+    full = {"w": torch.randn(6, 9, dtype=torch.float64), "b": torch.arange(12).view(3, 4),
+            "h": torch.randn(5, 4, 3).bfloat16(), "step": torch.tensor(3.0), "empty": torch.empty(0, 4)}
+    blocks = {  # (offset, shape): row blocks, column blocks (tensor parallel's row-parallel shards), single cells
+        "w": [((3, 0), (3, 9)), ((0, 4), (3, 5)), ((0, 0), (3, 4))],
+        "b": [((0, 2), (3, 2)), ((0, 0), (3, 2))],
+        "h": [((i, j, 0), (1, 1, 3)) for i in range(5) for j in range(4)][::-1],
+        "step": [((), ())],
+        "empty": [((0, 0), (0, 4))],
+    }
+    path = tmp_path / "blocks.safetensors"
+    with SafetensorsWriter(path, [(name, tuple(t.shape), t.dtype) for name, t in full.items()]) as out:
+        for name, parts in blocks.items():
+            for offset, shape in parts:
+                out.write_block(name, offset, full[name][tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+    loaded = load_file(str(path))
+    assert loaded.keys() == full.keys()
+    for name, value in full.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
+    assert torch.equal(TensorReader([path]).get_block("w", (2, 3), (4, 5)), full["w"][2:6, 3:8])
+
+
+def test_a_tensor_left_unwritten_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match="not written whole"):
+        with SafetensorsWriter(tmp_path / "x.safetensors", [("w", (4, 2), torch.float32)]) as out:
+            out.write_block("w", (0, 0), torch.zeros(2, 2))

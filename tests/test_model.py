@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fourfold.config import build_config
+from fourfold.models.init import fill_initial, rows_per_block
 from fourfold.models.llama import (Llama, apply_rotary, parameter_counts, rotary_frequencies, rotary_tables,
                                    training_flops_per_token)
 
@@ -132,6 +133,37 @@ def test_matches_hugging_face_llama():
     x = torch.randint(0, 64, (2, 16))
     # float64 weights; both models keep float32 rotary tables, hence 1e-7 rather than 1e-12.
     torch.testing.assert_close(ours(x), hf(x).logits, rtol=1e-6, atol=1e-7)
+
+
+def test_initial_weights_depend_on_the_seed_and_the_name_only():
+    cfg = small_cfg()
+    torch.manual_seed(3)
+    first = Llama(cfg)
+    torch.manual_seed(3)
+    again = Llama(cfg)
+    other = Llama(small_cfg())
+    other.init_weights(seed=4)
+    params = dict(first.named_parameters())
+    assert all(torch.equal(p, params[n]) for n, p in again.named_parameters())
+    assert not torch.equal(other.layers["0"].attention.wq.weight, params["layers.0.attention.wq.weight"])
+    # every matrix its own draw (not the same stream repeated), with the documented scales
+    assert not torch.equal(params["layers.0.feed_forward.w1.weight"], params["layers.0.feed_forward.w3.weight"])
+    assert torch.equal(params["layers.1.ffn_norm.weight"], torch.ones(32))
+    wq, wo = params["layers.0.attention.wq.weight"], params["layers.0.attention.wo.weight"]
+    assert abs(wq.std().item() - cfg.init_std) < 0.1 * cfg.init_std
+    assert abs(wo.std().item() - cfg.init_std / math.sqrt(2 * cfg.n_layers)) < 0.1 * cfg.init_std
+
+
+def test_any_block_of_a_parameter_is_the_same_slice_of_its_full_value():
+    cfg = small_cfg()
+    shape = (3000, 1024)  # three generated row blocks of 1024 rows
+    assert rows_per_block(shape) == 1024
+    full = torch.empty(shape)
+    fill_initial(full, "output.weight", shape, cfg, 5, (0, 0))
+    part = torch.empty(100, 24, dtype=torch.float64)  # crosses the first block boundary; any dtype
+    fill_initial(part, "output.weight", shape, cfg, 5, (1000, 512))
+    assert torch.equal(part, full[1000:1100, 512:536].double())
+    assert abs(full.std().item() - cfg.init_std) < 0.01 * cfg.init_std
 
 
 def test_tiny_model_overfits_one_batch():

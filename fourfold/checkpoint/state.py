@@ -1,41 +1,42 @@
-"""Full (unsharded) model and optimizer state by parameter name, from and into any layout.
+"""Model and optimizer state by canonical parameter name: what this rank holds, and loading it back from files.
 
-Built on `torch.distributed.checkpoint.state_dict`, which gathers FSDP2/DTensor shards into full tensors
-and scatters full tensors back into whatever sharding the receiving model has; names are canonical
-(wrapper prefixes such as torch.compile's `_orig_mod.` removed), so they match across layouts.
-Pipeline chunks (a list of modules) are viewed as one module with the original Llama names.
+Saving: `model_tensors` and `optimizer_tensors` name what this rank holds (DTensor shards stay sharded;
+ZeRO-1 ranks list only the state of the parameters they own); `fourfold.checkpoint.gather` moves each
+block to the writing rank. Loading: each rank reads from the files only the block of each tensor it
+holds (`TensorReader.get_block` at `fourfold.models.init.shard_extent`), one tensor at a time.
+
+Names are canonical (wrapper segments such as torch.compile's `_orig_mod.` and DDP's `module.` removed),
+so they match across layouts; pipeline chunks (a list of modules) are viewed as one module with the
+original Llama names. On disk optimizer tensors are keyed `state.<param>.<key>` (exp_avg, exp_avg_sq,
+step), their param groups (hyper-parameters, parameter names) are JSON.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
 
+from fourfold.checkpoint.safetensors_io import TensorReader
 from fourfold.errors import CheckpointError
-
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=False)
-WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+from fourfold.models.init import canonical_name, local_part, shard_extent
 
 
-def canonical(name: str) -> str:
-    """A parameter name without wrapper segments: layers.0._orig_mod.attention.wq.weight -> layers.0.attention.wq.weight."""
-    return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module inside a DistributedDataParallel wrapper, else the module."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
 
 def as_module(model: nn.Module | list[nn.Module]) -> nn.Module:
     """One module whose parameter names are the Llama names, also for a list of pipeline chunks."""
-    if isinstance(model, nn.Module):
-        return model
-    if len(model) == 1:
-        return model[0]
+    if isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList):
+        return _unwrap(model)
+    chunks = [_unwrap(chunk) for chunk in model]
+    if len(chunks) == 1:
+        return chunks[0]
     view = nn.Module()
     view.layers = nn.ModuleDict()
-    for chunk in model:
+    for chunk in chunks:
         for name in ("tok_embeddings", "norm", "output"):
             part = getattr(chunk, name, None)
             if part is not None:
@@ -45,96 +46,104 @@ def as_module(model: nn.Module | list[nn.Module]) -> nn.Module:
     return view
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def full_model_state(model) -> dict[str, torch.Tensor]:
-    """Every model tensor, full and on CPU, keyed by canonical name (collective under FSDP/TP)."""
-    state = get_model_state_dict(as_module(model), options=FULL)
-    return {canonical(k): _local(v).detach().cpu() for k, v in state.items()}
-
-
-def _param_names(model, optimizer) -> list[str]:
-    """Canonical names of the optimizer's parameters, in param-group order (torch's integer ids)."""
-    name_of = {id(p): canonical(n) for n, p in as_module(model).named_parameters()}
-    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
-
-
-def _zero_state(model, optimizer) -> dict:
-    """ZeroRedundancyOptimizer (ZeRO-1): gather every rank's shard of the state, then name it."""
-    import torch.distributed as dist
-
-    optimizer.consolidate_state_dict(to=0)
-    sd = optimizer.state_dict() if dist.get_rank() == 0 else None
-    box = [sd]
-    dist.broadcast_object_list(box, src=0)
-    sd, names = box[0], _param_names(model, optimizer)
-    state = {names[i]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in sd["state"].items()}
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def full_optimizer_state(model, optimizer) -> dict:
-    """The optimizer's state dict with full tensors keyed by canonical parameter names."""
-    if hasattr(optimizer, "consolidate_state_dict"):
-        return _zero_state(model, optimizer)
-    sd = get_optimizer_state_dict(as_module(model), optimizer, options=FULL)
-    state = {canonical(k): {n: _local(v).detach().cpu() if torch.is_tensor(v) else v for n, v in s.items()}
-             for k, s in sd["state"].items()}
-    groups = [{**g, "params": [canonical(p) for p in g["params"]]} for g in sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def flatten_optimizer(sd: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """(tensors keyed 'state.<param>.<key>', JSON-able param groups) from an optimizer state dict."""
-    tensors = {}
-    for name, s in sd["state"].items():
-        for key, value in s.items():
-            tensors[f"state.{name}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
-    return tensors, groups
-
-
-def unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
-    """The inverse of `flatten_optimizer`: an optimizer state dict keyed by parameter name."""
-    state: dict[str, dict] = {}
-    for flat, value in tensors.items():
-        name, key = flat[len("state."):].rsplit(".", 1)
-        state.setdefault(name, {})[key] = value
-    return {"state": state, "param_groups": groups}
-
-
-def expected_shapes(model) -> dict[str, tuple]:
-    """Canonical name -> full (global) shape of every tensor the model's state dict holds."""
-    return {canonical(k): tuple(v.shape) for k, v in as_module(model).state_dict().items()}
-
-
-def set_full_state(model, optimizer, tensors: dict[str, torch.Tensor], optim_state: dict | None,
-                   origin: dict[str, Path]) -> None:
-    """Check names and shapes, then load full tensors into the (possibly sharded) model and optimizer."""
+def model_tensors(model) -> dict[str, torch.Tensor]:
+    """Canonical name -> every tensor of the model's state dict (as held: DTensor shards stay sharded)."""
     module = as_module(model)
-    expected = expected_shapes(module)
-    for name, shape in expected.items():
-        if name not in tensors:
-            files = sorted({p.name for p in origin.values()})
+    return {canonical_name(k): v for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def _named_params(model, optimizer) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, parameter) of the optimizer's parameters, in param-group order (torch's integer ids)."""
+    name_of = {id(p): canonical_name(n) for n, p in as_module(model).named_parameters()}
+    return [(name_of[id(p)], p) for g in optimizer.param_groups for p in g["params"]]
+
+
+def param_groups(model, optimizer) -> list[dict]:
+    """The optimizer's param groups, JSON-able, with parameter names instead of parameters."""
+    named = iter(_named_params(model, optimizer))
+    groups = []
+    for g in optimizer.param_groups:
+        record = {k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}
+        record["params"] = [next(named)[0] for _ in g["params"]]
+        groups.append(record)
+    return groups
+
+
+def is_zero(optimizer) -> bool:
+    """Whether `optimizer` is a ZeroRedundancyOptimizer (each rank holds the state of its own parameters)."""
+    return hasattr(optimizer, "consolidate_state_dict")
+
+
+def optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+    """`state.<param>.<key>` -> every optimizer state tensor this rank holds (ZeRO-1: of the parameters it owns)."""
+    state = optimizer.optim.state if is_zero(optimizer) else optimizer.state
+    out = {}
+    for name, p in _named_params(model, optimizer):
+        for key, value in state.get(p, {}).items():
+            out[f"state.{name}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+# ----- loading ----------------------------------------------------------------------------------
+
+def check_model_tensors(model, reader: TensorReader) -> None:
+    """Raise CheckpointError unless the files hold every model tensor with the shape the model expects."""
+    for name, t in model_tensors(model).items():
+        shape = reader.shape(name)
+        if shape is None:
+            files = sorted({p.name for p in reader.files.values()})
             raise CheckpointError(f"The checkpoint has no tensor '{name}' (files: {', '.join(files)}); it was saved "
                                   "from a different model shape: use the config it was trained with.")
-        if tuple(tensors[name].shape) != shape:
-            raise CheckpointError(f"{origin[name]}: tensor '{name}' has shape {list(tensors[name].shape)} but the "
-                                  f"model expects {list(shape)}; the checkpoint was saved from a different model "
-                                  "config.")
-    by_raw = {k: tensors[canonical(k)] for k in module.state_dict()}
-    set_model_state_dict(module, by_raw, options=FULL)
-    if optimizer is not None and optim_state is not None and hasattr(optimizer, "consolidate_state_dict"):
-        names = _param_names(module, optimizer)
-        index = {n: i for i, n in enumerate(names)}
-        state = {index[n]: s for n, s in optim_state["state"].items()}
-        groups = [{**g, "params": [index[p] for p in g["params"]]} for g in optim_state["param_groups"]]
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    elif optimizer is not None and optim_state is not None:
-        raw_names = {canonical(k): k for k in module.state_dict()}
-        state = {raw_names.get(n, n): s for n, s in optim_state["state"].items() if n in raw_names}
-        groups = [{**g, "params": [raw_names[p] for p in g["params"] if p in raw_names]}
-                  for g in optim_state["param_groups"]]
-        set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups}, options=FULL)
+        if shape != tuple(t.shape):
+            raise CheckpointError(f"{reader.files[name]}: tensor '{name}' has shape {list(shape)} but the model "
+                                  f"expects {list(t.shape)}; the checkpoint was saved from a different model config.")
+
+
+@torch.no_grad()
+def load_model_tensors(model, reader: TensorReader) -> None:
+    """Fill every model tensor with its value from the files, this rank reading only its shard."""
+    check_model_tensors(model, reader)
+    for name, t in model_tensors(model).items():
+        local_shape, offset = shard_extent(t)
+        local_part(t).copy_(reader.get_block(name, offset, local_shape))
+
+
+def _read_like(reader: TensorReader, flat: str, param: torch.Tensor) -> torch.Tensor:
+    """A saved optimizer tensor as the optimizer keeps it: a tensor with the parameter's shape is read as
+    the parameter's shard (a DTensor like it, or a plain tensor on its device); others (the 0-d `step`)
+    as saved."""
+    if reader.shape(flat) != tuple(param.shape) or param.dim() == 0:
+        return reader.get(flat)
+    local_shape, offset = shard_extent(param)
+    local = reader.get_block(flat, offset, local_shape).to(local_part(param).device)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                  stride=param.stride())
+    return local
+
+
+def load_optimizer_state(model, optimizer, reader: TensorReader, saved_groups: list[dict]) -> None:
+    """Load the optimizer state from the files (ZeRO-1: only the parameters this rank owns)."""
+    keys: dict[str, list[str]] = {}
+    for flat in reader.names():
+        if flat.startswith("state."):
+            name, key = flat[len("state."):].rsplit(".", 1)
+            keys.setdefault(name, []).append(key)
+    owned = {id(p) for g in optimizer.optim.param_groups for p in g["params"]} if is_zero(optimizer) else None
+    named = _named_params(model, optimizer)
+    state = {}
+    for index, (name, p) in enumerate(named):
+        if owned is not None and id(p) not in owned:
+            continue
+        values = {key: _read_like(reader, f"state.{name}.{key}", p) for key in keys.get(name, [])}
+        if values:
+            state[index] = values
+    saved_by_param = {n: g for g in saved_groups for n in g["params"]}
+    groups, index = [], 0
+    for g in optimizer.param_groups:
+        ids = list(range(index, index + len(g["params"])))
+        first = named[index][0] if ids else None
+        saved = saved_by_param.get(first, {k: v for k, v in g.items() if k != "params"})
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        index += len(ids)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

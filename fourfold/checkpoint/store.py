@@ -4,10 +4,14 @@
     meta = load_checkpoint(path, model, optimizer)
 
 A checkpoint is `run_dir/checkpoints/step_N/` holding `model-<shard>.safetensors`,
-`optim-<shard>.safetensors` and `meta.json`. Tensors are full (unsharded) and keyed by the model's
-parameter names, which every layout keeps, so a checkpoint written under one layout loads under any
-other: PyTorch's `torch.distributed.checkpoint.state_dict` gathers shards (FSDP2, DTensor) into full
-tensors on save and scatters them on load. Pipeline stages each write their own shard (`stage0`, ...).
+`optim-<shard>.safetensors`, `optim-<shard>.json` (param groups) and `meta.json`. Tensors are full
+(unsharded) and keyed by the model's parameter names, which every layout keeps, so a checkpoint written
+under one layout loads under any other. Pipeline stages each write their own shard (`stage0`, ...).
+
+Memory: saving sends each rank's block of each tensor to the writer, which writes it at its place in the
+file and drops it (`fourfold.checkpoint.gather`, `fourfold.checkpoint.safetensors_io`): no rank assembles a
+full tensor, the writer holds one received block at a time beyond its own shards. Loading reads one
+tensor at a time, only the block this rank holds (`fourfold.checkpoint.state`).
 
 Atomicity: everything is written into `checkpoints/.tmp-step_N/`, files and directory fsynced, then the
 directory is renamed to `step_N`; a crash mid-write leaves the previous checkpoint the newest complete
@@ -21,15 +25,14 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fourfold.checkpoint.gather import GatherPlan, gather_plan, send_blocks, write_gathered
+from fourfold.checkpoint.safetensors_io import TensorReader
+from fourfold.checkpoint.state import load_model_tensors, load_optimizer_state, model_tensors, optimizer_tensors, \
+    param_groups
 from fourfold.errors import CheckpointError
-from fourfold.checkpoint.state import (flatten_optimizer, full_model_state, full_optimizer_state,
-                                             set_full_state, unflatten_optimizer)
 
 
 def _checkpoints_dir(run_dir: Path) -> Path:
@@ -44,10 +47,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+def _save_tensors(plan: GatherPlan, path: Path) -> None:
+    """Write the tensors of `plan` to the safetensors file `path`, block by block as they arrive; fsynced."""
+    write_gathered(plan, path)
 
 
 def _step_of(p: Path) -> int:
@@ -101,15 +103,19 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module | list[nn.Module]
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_state = full_model_state(model)
-    optim_state = full_optimizer_state(model, optimizer) if optimizer is not None else None
     shards: list[str] = [shard_name]
+    model_plan = gather_plan(model_tensors(model), shard_name, writer)
     if writer:
-        _save_tensors(model_state, tmp / f"model-{shard_name}.safetensors")
-        if optim_state is not None:
-            tensors, groups = flatten_optimizer(optim_state)
-            _save_tensors(tensors, tmp / f"optim-{shard_name}.safetensors")
-            (tmp / f"optim-{shard_name}.json").write_text(json.dumps(groups))
+        _save_tensors(model_plan, tmp / f"model-{shard_name}.safetensors")
+    else:
+        send_blocks(model_plan)
+    if optimizer is not None:
+        optim_plan = gather_plan(optimizer_tensors(model, optimizer), shard_name, writer)
+        if writer:
+            _save_tensors(optim_plan, tmp / f"optim-{shard_name}.safetensors")
+            (tmp / f"optim-{shard_name}.json").write_text(json.dumps(param_groups(model, optimizer)))
+        else:
+            send_blocks(optim_plan)
     if dist.is_initialized():
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, shard_name if writer else None)
@@ -132,14 +138,6 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module | list[nn.Module]
     return final
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"Checkpoint file {path} is truncated or corrupt ({e}); resume from an earlier "
-                              "checkpoint or retrain.") from None
-
-
 def _read_groups(path: Path) -> list:
     try:
         return json.loads(path.read_text())
@@ -159,28 +157,25 @@ def read_meta(path: Path) -> dict:
                               "fourfold checkpoint.") from None
 
 
+def _shard_files(path: Path, meta: dict, kind: str, missing: str) -> list[Path]:
+    """The `kind` (model/optim) safetensors file of every shard; CheckpointError with `missing` if one is absent."""
+    files = [path / f"{kind}-{shard}.safetensors" for shard in meta["shards"]]
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(missing.format(path=path, file=f.name, shard=f.stem.split("-", 1)[1]))
+    return files
+
+
 def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer=None) -> dict:
-    """Load weights (and optimizer state) into `model` from every shard file; return the meta dict."""
+    """Load weights (and optimizer state) into `model` from every shard file, one tensor at a time; return meta."""
     path = Path(path)
     meta = read_meta(path)
-    tensors: dict[str, torch.Tensor] = {}
-    origin: dict[str, Path] = {}
-    for shard in meta["shards"]:
-        f = path / f"model-{shard}.safetensors"
-        if not f.is_file():
-            raise CheckpointError(f"Checkpoint {path} lists shard '{shard}' but {f.name} is missing.")
-        for k, v in _read_tensors(f).items():
-            tensors[k], origin[k] = v, f
-    optim_state = None
+    model_files = _shard_files(path, meta, "model", "Checkpoint {path} lists shard '{shard}' but {file} is missing.")
+    load_model_tensors(model, TensorReader(model_files))
     if optimizer is not None:
-        flat, groups = {}, []
-        for shard in meta["shards"]:
-            f = path / f"optim-{shard}.safetensors"
-            if not f.is_file():
-                raise CheckpointError(f"Checkpoint {path} has no optimizer state ({f.name}); it cannot resume "
-                                      "training exactly.")
-            flat.update(_read_tensors(f))
-            groups.extend(_read_groups(path / f"optim-{shard}.json"))
-        optim_state = unflatten_optimizer(flat, groups)
-    set_full_state(model, optimizer, tensors, optim_state, origin)
+        optim_files = _shard_files(path, meta, "optim", "Checkpoint {path} has no optimizer state ({file}); it "
+                                   "cannot resume training exactly.")
+        reader = TensorReader(optim_files)
+        groups = [g for shard in meta["shards"] for g in _read_groups(path / f"optim-{shard}.json")]
+        load_optimizer_state(model, optimizer, reader, groups)
     return meta

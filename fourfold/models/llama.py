@@ -37,6 +37,7 @@ from torch import nn
 
 from fourfold.config import ModelConfig
 from fourfold.models.attention import AttentionCache
+from fourfold.models.init import init_parameters
 
 
 class RMSNorm(nn.Module):
@@ -173,24 +174,27 @@ class Llama(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.seq_shards = 1  # sequence parallel sets tp: hidden states then hold seq / tp positions
-        cos, sin = rotary_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Filled by init_weights (computed, never saved); built under torch.device("meta") they hold no data.
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Normal(0, init_std) for embeddings and linears, residual outputs scaled by 1/sqrt(2 * n_layers)."""
-        std = self.cfg.init_std
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
-            else:
-                p.normal_(0.0, std)
-        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
-            self.output.weight = self.tok_embeddings.weight
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initial values of every parameter and the rotary tables; what is on the meta device is left alone.
+
+        Parameters: normal(0, init_std), residual outputs scaled by 1/sqrt(2 * n_layers), norms 1, drawn
+        from generators seeded by (`seed`, the parameter's name, row block), `seed` defaulting to
+        torch.initial_seed() (fourfold.models.init); on a sharded model (after `to_empty`) each rank
+        fills only its own shard, with the values one process would have there.
+        """
+        if self.rope_cos.device.type != "meta":
+            cos, sin = rotary_tables(self.cfg)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+        init_parameters(self, self.cfg, seed)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *,
                 cache: AttentionCache | None = None, logits_for: torch.Tensor | None = None) -> torch.Tensor:

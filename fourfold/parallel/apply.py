@@ -1,6 +1,7 @@
 """Apply a layout to a model: tensor/sequence parallel, context parallel, float8, recomputation, compile, data parallel.
 
     model = parallelize(model, mesh, cfg.parallel, cfg.compute, cfg.quant, dp)   # dp: a DataParallel
+    model = apply_model_transforms(model, mesh, cfg.parallel, cfg.compute, cfg.quant, device)  # steps 1-5 only
 
 The order matters, and is the one torchtitan uses:
 1. Tensor (and sequence) parallel first: it replaces weights with DTensors sharded on the tp mesh;
@@ -15,6 +16,10 @@ The order matters, and is the one torchtitan uses:
    or, with compute.compile_scope "model", of the whole forward (one GPU or DDP only).
 6. Data parallel last: FSDP's fully_shard shards whatever parameters the earlier steps left (DTensors
    on the tp mesh included), and its hooks go around the compiled blocks.
+
+Steps 1-5 and FSDP's step 6 work on a model on the meta device (shapes, no storage);
+`fourfold.parallel.build` materialises only this rank's shards after them, and before step 6 for DDP and
+ZeRO-1, which need real tensors (`DataParallel.wraps_meta_models`).
 """
 
 from __future__ import annotations
@@ -35,15 +40,18 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile()
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, parallel: ParallelConfig, compute: ComputeConfig,
-                quant: QuantConfig, dp) -> nn.Module:
-    """Apply every parallel dimension and compute transform to `model` (one pipeline chunk or the whole model)."""
+def apply_model_transforms(model: nn.Module, mesh: ParallelMesh, parallel: ParallelConfig, compute: ComputeConfig,
+                           quant: QuantConfig, device) -> nn.Module:
+    """Steps 1-5 of the module docstring on `model` (one pipeline chunk or the whole model), in place.
+
+    `device` is where the model will run (float8 checks its GPU); the model itself may still be on meta.
+    """
     if mesh.size("tp") > 1:
         apply_tensor_parallel(model, mesh.get("tp"), parallel.sequence_parallel)
     if mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.get("cp"), parallel.cp_method)
     if quant.float8:
-        apply_float8(model)
+        apply_float8(model, device)
     if compute.recompute != "none":
         apply_recompute(model, compute.recompute)
     if compute.compile and compute.compile_memory_budget < 1:
@@ -54,4 +62,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, parallel: ParallelConfig, 
         model.compile()  # one graph from tokens to logits (validate_layout allows it only on one GPU or DDP)
     elif compute.compile:
         compile_blocks(model)
-    return dp.wrap(model)
+    return model
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, parallel: ParallelConfig, compute: ComputeConfig,
+                quant: QuantConfig, dp) -> nn.Module:
+    """Apply every parallel dimension and compute transform to `model` (one pipeline chunk or the whole model)."""
+    return dp.wrap(apply_model_transforms(model, mesh, parallel, compute, quant, dp.device))

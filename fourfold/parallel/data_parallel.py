@@ -8,19 +8,30 @@ The trainer talks to one `DataParallel` object and never to DDP/FSDP directly:
     norm = dp.clip_grad_norm(model, max_norm, optimizer)   # fused AdamW: the clip rides on its kernel
     dp.memory_report(model, optimizer)        # bytes this rank holds
 
-Strategies (chosen from the layout):
-| layout | strategy | communicates | each rank holds |
+Strategies: four classes, chosen from the layout by `fourfold.layout.data_parallel_strategy`:
+| strategy | layouts | communicates | each rank holds |
 |---|---|---|---|
-| dp=N | `ddp`: DistributedDataParallel, `bucket_mb` buckets all-reduced during backward (in `reduce_dtype`: bf16 halves the bytes) | all-reduce of gradients | everything |
-| dp=N, hierarchical_allreduce | `ddp` with a comm hook: reduce-scatter in node, all-reduce across nodes, all-gather in node | same sum, 1/G of the bytes across nodes | everything |
-| fsdp=N, zero=1 | `zero1`: DDP + ZeroRedundancyOptimizer | gradient all-reduce, parameter broadcast after the step | full params and grads, 1/N optimizer state |
-| fsdp=N, zero=2 | `zero2`: FSDP2 with parameters kept gathered from forward to backward | one all-gather per step, gradient reduce-scatter | full params during the step, 1/N grads and optimizer state |
-| fsdp=N, zero=3 | `fsdp`: FSDP2 per block, parameters resharded after forward | all-gather per block in forward and backward, reduce-scatter | 1/N of everything |
-| dp=R, fsdp=S | `hsdp`: FSDP2 on the 2-D (dp, fsdp) mesh | all-gathers inside a shard group, gradient all-reduce across groups | 1/S of everything |
+| `none`: `DataParallel` | dp = fsdp = cp = 1 (one process; tp or pp alone) | nothing (tp and pp communicate themselves) | everything of its tp/pp part |
+| `ddp`: `DDP`, DistributedDataParallel | dp=N (no tp, cp, fsdp) | all-reduce of gradients in `bucket_mb` buckets during backward (in `reduce_dtype`: bf16 halves the bytes) | everything |
+| `zero1`: `Zero1`, DDP + ZeroRedundancyOptimizer | fsdp=N, zero=1 (no dp, tp, cp) | gradient all-reduce, parameter broadcast after the step | full params and grads, 1/N optimizer state |
+| `fsdp`: `FSDP`, FSDP2's fully_shard | fsdp=N with zero 2 or 3; every other layout with dp, fsdp or cp > 1 (tp or cp > 1, or zero=1 with dp > 1) | all-gathers of parameters, gradient reduce-scatter | 1/N of params, grads and optimizer state |
+
+Settings, not strategies:
+- `ddp` with `parallel.hierarchical_allreduce`: a comm hook that reduce-scatters in the node, all-reduces
+  across nodes and all-gathers in the node (the same sum, 1/G of the bytes across nodes).
+- `fsdp` with zero=2 keeps parameters gathered from forward to backward (one all-gather per step; full
+  parameters during the step); zero=3 (default) reshards them after each block's forward.
+- `fsdp` with dp=R and fsdp (or cp) = S runs on the 2-D (dp, shard) mesh: HSDP, all-gathers inside a shard
+  group and gradients all-reduced across groups; each rank holds 1/S.
 
 Context-parallel ranks (cp > 1) reduce gradients like data ranks: fsdp and cp form one shard dimension.
 With tensor parallel (DTensor parameters, which DDP cannot hold) or context parallel, every data
 layout runs on FSDP2 (dp alone then shards over dp; the gradients are identical to DDP's).
+
+Built on the meta device (`fourfold.parallel.build`): `wraps_meta_models` says whether `wrap` takes a
+model without storage (FSDP2 shards shapes, and each rank materialises only its shards afterwards) or
+needs it materialised first (DDP and ZeRO-1 hold whole parameters anyway); `parameter_device` is where
+the parameters live (the CPU under FSDP's cpu_offload).
 """
 
 from __future__ import annotations
@@ -56,9 +67,15 @@ class DataParallel:
     """Single-process strategy (also the base of the others): no communication."""
 
     name = "none"
+    wraps_meta_models = False
 
     def __init__(self, mesh: ParallelMesh, parallel: ParallelConfig, optim: OptimConfig, device: torch.device):
         self.mesh, self.parallel, self.optim, self.device = mesh, parallel, optim, device
+
+    @property
+    def parameter_device(self) -> torch.device:
+        """Where this strategy keeps the parameters: the training device."""
+        return self.device
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model prepared for this strategy (here unchanged)."""
@@ -184,13 +201,16 @@ class FSDP(DataParallel):
     """FSDP2 over the data mesh: zero=3 reshards parameters after forward, zero=2 keeps them gathered."""
 
     name = "fsdp"
+    wraps_meta_models = True
+
+    @property
+    def parameter_device(self) -> torch.device:
+        """The CPU under parallel.cpu_offload (FSDP2 keeps the sharded parameters there), else the device."""
+        return torch.device("cpu") if self.parallel.cpu_offload else self.device
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model sharded with FSDP2 over the data mesh (a 2-D HSDP mesh when dp > 1 and fsdp or cp > 1)."""
-
-        p = self.parallel
-        reshard = p.reshard_after_forward and not (p.fsdp > 1 and p.zero == 2)
-        return apply_fsdp(model, self.mesh.hsdp_mesh(), p, reshard_after_forward=reshard)
+        return apply_fsdp(model, self.mesh.hsdp_mesh(), self.parallel)
 
     def grad_sync(self, model: nn.Module, enabled: bool):
         """Switch FSDP's gradient reduction on or off for the coming backward; returns a no-op context."""

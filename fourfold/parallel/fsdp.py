@@ -69,16 +69,12 @@ def _master_dtype_of(model: nn.Module) -> torch.dtype:
     return dtypes.pop()
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig,
-               reshard_after_forward: bool | None = None) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) -> nn.Module:
     """Shard `model` (a Llama or a pipeline chunk of one) over `mesh` block by block, then the root.
 
-    Whether parameters reshard after forward is `block_reshards_after_forward`'s decision; a
-    `reshard_after_forward` given by an older caller must agree with `reshards_after_forward(p)`.
+    Whether parameters reshard after forward is `block_reshards_after_forward`'s decision (ZeRO-2 and
+    the last block keep theirs gathered); the same policy functions feed the memory model.
     """
-    if reshard_after_forward is not None and reshard_after_forward != reshards_after_forward(p):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward} disagrees with the FSDP policy "
-                         f"(reshards_after_forward(p) = {reshards_after_forward(p)}); leave it out.")
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision(p, _master_dtype_of(model)))
     if p.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

@@ -35,20 +35,27 @@ def converts_to_float8(module: nn.Module, name: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def check_float8_device(model: nn.Module) -> None:
-    """Raise ConfigError when `model` lives on a GPU without float8 tensor cores (before compute capability 8.9)."""
-    param = next(model.parameters(), None)
-    if param is not None and param.device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(param.device)
+def check_float8_device(model: nn.Module, device: torch.device | None = None) -> None:
+    """Raise ConfigError when `model` will run (on `device`, default its parameters' device) on a GPU without
+    float8 tensor cores (before compute capability 8.9); a model built on the meta device passes `device`."""
+    if device is None:
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else None
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             raise ConfigError(f"quant.float8 needs float8 tensor cores (compute capability 8.9+: Hopper, Ada); "
                               f"this GPU is {major}.{minor}. Set --quant.float8 false.")
 
 
-def apply_float8(model: nn.Module) -> None:
-    """Swap the qualifying linears of `model` (`converts_to_float8`) for torchao Float8Linear in place."""
+def apply_float8(model: nn.Module, device: torch.device | None = None) -> None:
+    """Swap the qualifying linears of `model` (`converts_to_float8`) for torchao Float8Linear in place.
+
+    Works on a model on the meta device; `device` is then where it will run (checked for float8 support).
+    """
     require_torchao()
-    check_float8_device(model)
+    check_float8_device(model, device)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=converts_to_float8)

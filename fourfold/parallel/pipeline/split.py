@@ -7,6 +7,9 @@ Chunk c of pp-rank r is global stage `c * pp + r`. Blocks keep their original in
 names such as `layers.5.attention.wq.weight` match the unsplit model and checkpoints reshard by
 name); `tok_embeddings` lives only on global stage 0 and `norm` / `output` only on the last stage,
 elsewhere they are None and the model's forward passes hidden states through.
+
+`fourfold.parallel.build` splits the model while it is on the meta device, so the copies hold no storage;
+each rank then materialises only its own chunks (and within them only its shards).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def stage_layers(n_layers: int, pp: int, vpp: int, stage: int, layers_per_stage:
 
 def split_pipeline(model: nn.Module, pp_rank: int, pp: int, vpp: int = 1,
                    layers_per_stage: list[int] | None = None) -> list[nn.Module]:
-    """This rank's `vpp` chunks of `model` (a fourfold Llama), copied so `model` itself is left whole.
+    """This rank's `vpp` chunks of `model` (a fourfold Llama, on the meta device or not), copied so `model`
+    itself is left whole.
 
     Only what a chunk keeps is copied: the other blocks, and the embedding / final norm / head where
     the chunk does not own them, are replaced by None during the deep copy (memory stays one stage's).
