@@ -1,7 +1,8 @@
 """The planner derives each rank's parameters from the code that builds them, and shares FSDP's policies with it.
 
-Every rank of a layout is built for real in this one process over torch's fake process group (collectives
-do nothing, shapes and sharding are exactly those of a real run): the parameters it stores (FSDP2 padding
+Every rank of a layout is built for real over torch's fake process group (collectives do nothing, shapes
+and sharding are exactly those of a real run), each rank in a forked child so no torch state of one
+simulated rank (torch keeps DTensor meshes across process groups in one process) leaks into the next: the parameters it stores (FSDP2 padding
 included), their local (unpadded) bytes, their names in order and their tensor-parallel shapes must equal
 what `fourfold.plan` derives from the meta-device model. A 405B preset is planned without allocating it.
 """
@@ -9,6 +10,7 @@ what `fourfold.plan` derives from the meta-device model. A 405B preset is planne
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import resource
 
 import pytest
@@ -83,6 +85,30 @@ def _tp_shape(prm: torch.Tensor) -> tuple[int, ...]:
 
 
 def _built(cfg, world: int, rank: int) -> dict:
+    """What rank `rank` of the real builder holds (built in a forked child): see `_build_in_this_process`."""
+    if world == 1:
+        return _build_in_this_process(cfg, world, rank)
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_build_and_send, args=(cfg, world, rank, send))
+    child.start()
+    send.close()
+    status, result = receive.recv()
+    child.join(timeout=30)
+    assert status == "ok", f"rank {rank} of {world} failed to build:\n{result}"
+    return result
+
+
+def _build_and_send(cfg, world: int, rank: int, send) -> None:
+    import traceback
+
+    try:
+        send.send(("ok", _build_in_this_process(cfg, world, rank)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        send.send(("error", traceback.format_exc()))
+
+
+def _build_in_this_process(cfg, world: int, rank: int) -> dict:
     """What rank `rank` of the real builder holds: stored and local parameter bytes, names and tp shapes."""
     with _fake_world(rank, world):
         mesh = ParallelMesh.build(cfg, world, rank, "cpu")

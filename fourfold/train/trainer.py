@@ -105,7 +105,8 @@ class Trainer:
         cfg = self.cfg
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
         self.dp = build_data_parallel(self.mesh, cfg.parallel, cfg.optim, self.device)
-        chunks = build_model(cfg.model, cfg.parallel, cfg.compute, cfg.quant, self.mesh, self.dp, self.device)
+        chunks = build_model(cfg.model, cfg.parallel, cfg.compute, cfg.quant, self.mesh, self.dp, self.device,
+                             seed=cfg.train.seed)
         self.runner: StepRunner = build_runner(cfg, self.mesh, self.dp, chunks, self.device)
         self.model, self.optimizer, self.scaler = self.runner.model, self.runner.optimizer, self.runner.scaler
 
