@@ -37,7 +37,7 @@ def _nbytes(tensors) -> int:
 def _measured_saved(trainer: Trainer) -> int:
     """What one micro-batch's forward (under the trainer's autocast) and loss leave for backward."""
     inputs, targets = trainer.train_batches.next_step()[0]
-    model, ctx = trainer.model, trainer.ctx
+    model, ctx = trainer.model, trainer.runner
 
     def forward_and_loss():
         with ctx.autocast():

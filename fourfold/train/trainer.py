@@ -131,22 +131,6 @@ class Trainer:
         if self.is_main:
             self.console.print(text)
 
-    # Names older callers use: the step's context (autocast, loss_fn) and the plain runner's gradient sync
-    # (tests/test_memory.py and tests/distributed/test_faults_and_accumulation.py read or replace them).
-    @property
-    def ctx(self) -> StepRunner:
-        """The step runner, which carries `autocast()` and `loss_fn` as the old step context did."""
-        return self.runner
-
-    @property
-    def _grad_sync(self):
-        """The plain runner's `grad_sync(enabled)`: the data-parallel context around each backward."""
-        return self.runner.grad_sync
-
-    @_grad_sync.setter
-    def _grad_sync(self, grad_sync) -> None:
-        self.runner.grad_sync = grad_sync
-
     # ----- the loop -----------------------------------------------------------------------------
     def train_step(self, micro: list | None = None) -> StepResult:
         """One optimizer step: returns (mean loss on this rank, gradient norm, skipped) as tensors/flags.

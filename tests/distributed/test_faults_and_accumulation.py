@@ -99,7 +99,7 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     out["rebuilt_buckets"] = len(str(logging["rebuilt_bucket_sizes"]).split(","))
     out["micro_steps"] = len(trainer.train_batches.next_step())
     # Control: one more step with gradient sync forced on for every micro-step must reduce more often.
-    trainer._grad_sync = lambda enabled: trainer.dp.grad_sync(trainer.model, True)
+    trainer.runner.grad_sync = lambda enabled: trainer.dp.grad_sync(trainer.model, True)
     calls.clear()
     trainer.train_step()
     out["forced_calls"] = len(calls)
