@@ -74,14 +74,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_at(path: str | Path) -> Path | None:
+    """`path` itself if it is a complete checkpoint, else the newest complete one of the run directory `path`."""
+    path = Path(path)
+    return path if (path / "meta.json").is_file() else latest_checkpoint(path)
+
+
 def resolve_resume(run_dir: Path, resume: str | bool) -> Path | None:
     """True/'latest' -> the newest checkpoint of run_dir (or None); a path -> that checkpoint."""
     if resume is True or resume == "latest":
         return latest_checkpoint(run_dir)
-    path = Path(resume)
-    if (path / "meta.json").is_file():
-        return path
-    inner = latest_checkpoint(path)
+    inner = checkpoint_at(resume)
     if inner is None:
         raise CheckpointError(f"--resume {resume}: no complete checkpoint there (a checkpoint directory holds "
                               "meta.json); pass a checkpoints/step_N directory or a run directory.")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fourfold.checkpoint.store import latest_checkpoint, load_checkpoint
+from fourfold.checkpoint.store import checkpoint_at, load_checkpoint
 from fourfold.config import Config, build_config
 from fourfold.errors import CheckpointError
 from fourfold.infer.kv_cache import KVCache
@@ -30,13 +30,9 @@ class SamplingOptions:
 
 def find_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or the newest checkpoint of a run directory."""
-
-    p = Path(path)
-    if (p / "meta.json").is_file():
-        return p
-    latest = latest_checkpoint(p)
+    latest = checkpoint_at(path)
     if latest is None:
-        raise CheckpointError(f"No checkpoint found at '{p}': pass a checkpoints/step_N directory or a run "
+        raise CheckpointError(f"No checkpoint found at '{path}': pass a checkpoints/step_N directory or a run "
                               "directory that has one (train with checkpoint.save_final = true).")
     return latest
 
