@@ -1,0 +1,155 @@
+"""Real low-bit linears: int4 nibble packing, the weight layouts torch's own int4/int8 kernels take, and modules that run them.
+
+    Int4WeightLinear.from_float(linear, scheme)   # int4 group-wise (and 8da4w): packed nibbles + scales + zero points
+    Int8WeightLinear.from_float(linear, scheme)   # int8 per channel: int8 weight + scales
+
+Both quantize with fake_quant.quantize_weight, so a converted module computes what FakeQuantLinear
+computed during QAT, up to the kernels' float rounding. Layouts (checked on torch 2.13 CPU):
+
+- Stored (state_dict, device independent): `weight_int4` uint8 [N, K/2], two nibbles per byte holding
+  q + 8 (0..15), element 2j in the high nibble and 2j+1 in the low one, which is the input layout of the
+  CUDA converter; `scales` [N, K/G] in the scale dtype; `zero_points` int8 [N, K/G].
+- CPU kernel: `_convert_weight_to_int4pack_for_cpu(int32 [N, K] in 0..15, inner_k_tiles)` (it rejects
+  uint8), then `_weight_int4pack_mm_for_cpu(x [M, K], packed, G, scales_and_zeros [K/G, N, 2])`, which
+  computes x @ ((u - 8) * scale + zero).T with a *float* zero. Our (q - z) * s = (u - 8) * s + (-z * s),
+  so zero = -z * s. x and scales_and_zeros must share a dtype (bf16, fp16 or fp32); N must be a multiple
+  of 16 and G one of 32/64/128/256.
+- CUDA kernel: `_convert_weight_to_int4pack(uint8 [N, K/2] as stored above, inner_k_tiles)` then
+  `_weight_int4pack_mm(x bf16, packed, G, scales_and_zeros bf16)`, same formula. Written from torch's
+  and torchao's documented layout, NOT tested here (no GPU on the test machine).
+- int8: `_weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])` = x @ (w * scales).T, scales in
+  x's dtype, CPU and CUDA; hence int8 schemes are symmetric.
+
+The 8da4w module fake-quantizes its input per token (int8, dynamic) before the int4-weight kernel: torch
+has no int8-activation x int4-weight kernel, so this reproduces the numbers, not the int8 speed-up.
+Plain torch rather than torchao: its int4 weight-only kernels need a package (mslk) that does not install.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fourfold.errors import ConfigError
+from fourfold.quant.fake_quant import fake_quantize_activation, quantize_weight
+from fourfold.quant.schemes import QuantScheme, check_group_divides
+
+INNER_K_TILES = 2
+
+
+def pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] from values 0..15 shaped [N, K] (K even): element 2j high nibble, 2j+1 low nibble."""
+    if u.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even last dimension, got {tuple(u.shape)}")
+    u = u.to(torch.uint8)
+    return (u[..., 0::2] << 4) | (u[..., 1::2] & 0xF)
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: uint8 [N, K] of values 0..15."""
+    return torch.stack([p >> 4, p & 0xF], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+def scales_and_zeros(scales: torch.Tensor, zero_points: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The int4 kernels' [K/G, N, 2] tensor of (scale, float zero = -zero_point * scale) in `dtype`."""
+    s = scales.float()
+    return torch.stack([s, -zero_points.float() * s], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def int4_kernel_weight(weight_int4: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The stored nibbles converted to the tiled layout the int4 mm kernel of `device` takes."""
+    if device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(weight_int4).to(torch.int32),
+                                                                 INNER_K_TILES)
+    if device.type == "cuda":   # untested here: no GPU where the tests run
+        return torch.ops.aten._convert_weight_to_int4pack(weight_int4.to(device), INNER_K_TILES)
+    raise ConfigError(f"int4 weights run on CPU or CUDA, not {device.type}.")
+
+
+def _check_linear(linear: nn.Linear, scheme: QuantScheme, bits: int, name: str) -> None:
+    if scheme.weight_bits != bits:
+        raise ConfigError(f"Layer {name!r}: scheme {scheme.name!r} has {scheme.weight_bits}-bit weights, "
+                          f"this module stores {bits}-bit ones.")
+    check_group_divides(scheme, name, linear.in_features)
+    if bits == 4 and linear.out_features % 16:
+        raise ConfigError(f"Layer {name!r} has {linear.out_features} output features; torch's int4 kernel needs "
+                          f"a multiple of 16: leave this layer unquantized or use int8.")
+
+
+class Int4WeightLinear(nn.Module):
+    """y = x @ dequant(W).T + b with W stored as packed int4 nibbles, run by torch's int4 kernels (CPU, CUDA)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        groups = in_features // scheme.group_size
+        self.register_buffer("weight_int4", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, groups, dtype=scheme.torch_scale_dtype))
+        self.register_buffer("zero_points", torch.zeros(out_features, groups, dtype=torch.int8))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self._kernel_cache: dict = {}
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, scheme: QuantScheme, name: str = "linear") -> "Int4WeightLinear":
+        _check_linear(linear, scheme, 4, name)
+        out = cls(linear.in_features, linear.out_features, linear.bias is not None, scheme)
+        q, scales, zeros = quantize_weight(linear.weight, scheme)
+        out.weight_int4.copy_(pack_int4((q.to(torch.int16) + 8).cpu()))
+        out.scales.copy_(scales)
+        out.zero_points.copy_(zeros)
+        if linear.bias is not None:
+            out.bias = linear.bias.detach().clone()
+        return out.to(linear.weight.device)
+
+    def _kernel_args(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (x.device, x.dtype, self.weight_int4.data_ptr(), self.scales.data_ptr())
+        if key not in self._kernel_cache:
+            self._kernel_cache = {key: (int4_kernel_weight(self.weight_int4, x.device),
+                                        scales_and_zeros(self.scales, self.zero_points, x.dtype).to(x.device))}
+        return self._kernel_cache[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme.activation != "none":
+            x = fake_quantize_activation(x)
+        packed, sz = self._kernel_args(x)
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.scheme.group_size, sz)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x2, packed, self.scheme.group_size, sz)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
+
+
+class Int8WeightLinear(nn.Module):
+    """y = x @ (W * scales).T + b with W stored int8 per output channel, run by `_weight_int8pack_mm`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=scheme.torch_scale_dtype))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, scheme: QuantScheme, name: str = "linear") -> "Int8WeightLinear":
+        _check_linear(linear, scheme, 8, name)
+        out = cls(linear.in_features, linear.out_features, linear.bias is not None, scheme)
+        q, scales, _ = quantize_weight(linear.weight, scheme)   # symmetric: zero points are 0
+        out.weight_int8.copy_(q)
+        out.scales.copy_(scales[:, 0])
+        if linear.bias is not None:
+            out.bias = linear.bias.detach().clone()
+        return out.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales.to(x.dtype))
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
