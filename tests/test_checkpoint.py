@@ -219,6 +219,16 @@ def _fsdp_then_tp(rank: int, world: int, tmp: str) -> None:
     train(_cfg(tmp, **{"parallel.tp": 2}), tmp / "tp2", resume=str(saved))
 
 
+def _assert_continues_reference(run_dir: Path, first: dict, ref_losses: dict, ref_weights: dict) -> None:
+    """A run resumed from step 2 logs steps 3 and 4 with the uninterrupted run's losses, and ends at its weights."""
+    continued = _losses_by_step(run_dir)
+    assert sorted(continued) == [3, 4], run_dir.name
+    got = [first[1], first[2], continued[3], continued[4]]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor([ref_losses[s] for s in (1, 2, 3, 4)]),
+                               rtol=1e-9, atol=1e-12, msg=lambda m: f"{run_dir.name}: {m}")
+    _assert_same_weights(final_weights(run_dir), ref_weights, exact=False)
+
+
 def test_fsdp_checkpoint_resumes_under_tp_and_single_process(reference):
     tmp, ref_losses, ref_weights = reference
     run_ranks(_fsdp_then_tp, 2, args=(str(tmp),))
@@ -227,12 +237,7 @@ def test_fsdp_checkpoint_resumes_under_tp_and_single_process(reference):
     assert sorted(first) == [1, 2]
     train(_cfg(tmp), tmp / "single", resume=str(saved))
     for run in ("tp2", "single"):
-        continued = _losses_by_step(tmp / run)
-        assert sorted(continued) == [3, 4], run
-        got = [first[1], first[2], continued[3], continued[4]]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor([ref_losses[s] for s in (1, 2, 3, 4)]),
-                                   rtol=1e-9, atol=1e-12, msg=lambda m: f"{run}: {m}")
-        _assert_same_weights(final_weights(tmp / run), ref_weights, exact=False)
+        _assert_continues_reference(tmp / run, first, ref_losses, ref_weights)
     assert losses(tmp / "tp2") == pytest.approx(losses(tmp / "single"), rel=1e-9)
 
 
@@ -250,12 +255,7 @@ def test_zero1_checkpoint_resumes_under_zero1_and_fsdp(reference):
     run_ranks(_zero1_then_zero1_and_fsdp, 2, args=(str(tmp),))
     first = _losses_by_step(tmp / "zero1")
     for run in ("zero1-resumed", "fsdp-from-zero1"):
-        continued = _losses_by_step(tmp / run)
-        assert sorted(continued) == [3, 4], run
-        got = [first[1], first[2], continued[3], continued[4]]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor([ref_losses[s] for s in (1, 2, 3, 4)]),
-                                   rtol=1e-9, atol=1e-12, msg=lambda m: f"{run}: {m}")
-        _assert_same_weights(final_weights(tmp / run), ref_weights, exact=False)
+        _assert_continues_reference(tmp / run, first, ref_losses, ref_weights)
 
 
 # ----- the streaming writer -----------------------------------------------------------------------
