@@ -1,4 +1,4 @@
-"""What `parallelize` compiles on one process: each block (compute.compile_scope blocks) or the whole forward (model)."""
+"""What `apply_model_transforms` compiles on one process: each block (compute.compile_scope blocks) or the whole forward (model)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import torch
 
 from fourfold.mesh import ParallelMesh
 from fourfold.models.llama import Llama
-from fourfold.parallel.apply import parallelize
-from fourfold.parallel.data_parallel import DataParallel
+from fourfold.parallel.apply import apply_model_transforms
 from tests.trainer_helpers import tiny_config
 
 
@@ -22,8 +21,8 @@ def test_compile_scope_chooses_what_is_compiled(scope, tmp_path):
     cfg = tiny_config(tmp_path, **{"compute.compile": True, "compute.compile_scope": scope})
     model = Llama(cfg.model)
     names = [n for n, _ in model.named_parameters()]
-    model = parallelize(model, ParallelMesh.build(cfg), cfg.parallel, cfg.compute, cfg.quant,
-                        DataParallel(None, cfg.parallel, cfg.optim, torch.device("cpu")))
+    model = apply_model_transforms(model, ParallelMesh.build(cfg), cfg.parallel, cfg.compute, cfg.quant,
+                                   torch.device("cpu"))
     assert _compiled(model) == (scope == "model")
     assert all(_compiled(block) == (scope == "blocks") for block in model.layers.values())
     assert [n for n, _ in model.named_parameters()] == names  # checkpoints keep their keys either way

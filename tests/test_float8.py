@@ -12,8 +12,7 @@ from fourfold.errors import ConfigError, LayoutError
 from fourfold.layout import validate_layout
 from fourfold.mesh import ParallelMesh
 from fourfold.models.llama import Llama
-from fourfold.parallel.apply import parallelize
-from fourfold.parallel.data_parallel import DataParallel
+from fourfold.parallel.apply import apply_model_transforms
 from fourfold.train.trainer import train
 from tests.trainer_helpers import grad_norms, losses, tiny_config, train_on_rank
 
@@ -26,8 +25,8 @@ def test_block_linears_become_float8_and_the_head_and_names_stay(tmp_path):
     cfg = tiny_config(tmp_path, **{"compute.precision": "bf16", "quant.float8": True})
     model = Llama(cfg.model)
     names = [n for n, _ in model.named_parameters()]
-    model = parallelize(model, ParallelMesh.build(cfg), cfg.parallel, cfg.compute, cfg.quant,
-                        DataParallel(None, cfg.parallel, cfg.optim, torch.device("cpu")))
+    model = apply_model_transforms(model, ParallelMesh.build(cfg), cfg.parallel, cfg.compute, cfg.quant,
+                                   torch.device("cpu"))
     linears = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert linears.pop("output") is torch.nn.Linear
     assert len(linears) == 7 * cfg.model.n_layers and set(linears.values()) == {Float8Linear}

@@ -1,7 +1,7 @@
 """Apply a layout to a model: tensor/sequence parallel, context parallel, float8, recomputation, compile, data parallel.
 
-    model = parallelize(model, mesh, cfg.parallel, cfg.compute, cfg.quant, dp)   # dp: a DataParallel
-    model = apply_model_transforms(model, mesh, cfg.parallel, cfg.compute, cfg.quant, device)  # steps 1-5 only
+    model = apply_model_transforms(model, mesh, cfg.parallel, cfg.compute, cfg.quant, device)  # steps 1-5
+    model = dp.wrap(model)                                                                   # step 6
 
 The order matters, and is the one torchtitan uses:
 1. Tensor (and sequence) parallel first: it replaces weights with DTensors sharded on the tp mesh;
@@ -64,8 +64,3 @@ def apply_model_transforms(model: nn.Module, mesh: ParallelMesh, parallel: Paral
         compile_blocks(model)
     return model
 
-
-def parallelize(model: nn.Module, mesh: ParallelMesh, parallel: ParallelConfig, compute: ComputeConfig,
-                quant: QuantConfig, dp) -> nn.Module:
-    """Apply every parallel dimension and compute transform to `model` (one pipeline chunk or the whole model)."""
-    return dp.wrap(apply_model_transforms(model, mesh, parallel, compute, quant, dp.device))

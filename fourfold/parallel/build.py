@@ -9,8 +9,8 @@ there (tensor and context parallel, float8, recomputation, compile, FSDP2's shar
 allocates only what it holds (`to_empty` on its device) and fills it (`Llama.init_weights`), so no rank
 ever holds the whole model (DDP and ZeRO-1 hold whole parameters by design: they are materialised just
 before their wrap, which needs real tensors). Every rank starts from the weights a single process would
-have, whatever its layout: each parameter's full value comes from its own generator seeded by (seed,
-parameter name), generated one tensor at a time and cut to the local shard (`fourfold.models.init`).
+have, whatever its layout: each parameter's value comes from generators seeded by (seed, parameter
+name, row block), and a rank generates only the blocks its shard overlaps (`fourfold.models.init`).
 """
 
 from __future__ import annotations

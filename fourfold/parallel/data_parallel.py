@@ -2,7 +2,7 @@
 
 The trainer talks to one `DataParallel` object and never to DDP/FSDP directly:
     dp = build_data_parallel(mesh, cfg.parallel, cfg.optim, device)
-    model = dp.wrap(model)                    # last step of fourfold.parallel.apply.parallelize
+    model = dp.wrap(model)                    # step 6 of fourfold.parallel.apply (after its transforms)
     optimizer = dp.build_optimizer(model)
     with dp.grad_sync(model, enabled=is_last_micro_step): loss.backward()
     norm = dp.clip_grad_norm(model, max_norm, optimizer)   # fused AdamW: the clip rides on its kernel

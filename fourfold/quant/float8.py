@@ -1,6 +1,6 @@
 """float8 training matmuls for the transformer blocks' linear layers, through torchao (quant.float8).
 
-    apply_float8(model)   # before recomputation and compile, like the other parallelize steps
+    apply_float8(model)   # before recomputation and compile, like the other steps of fourfold.parallel.apply
 
 Each block linear becomes torchao's `Float8Linear` with dynamic tensorwise scaling: the input and weight
 are cast to float8 e4m3 and the output gradient to e5m2 for the three matmuls of forward and backward;

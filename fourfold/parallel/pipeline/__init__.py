@@ -2,7 +2,7 @@
 
     from fourfold.parallel.pipeline import split_pipeline, PipelineExecutor, measured_bubble
     chunks = split_pipeline(model, pp_rank, pp, vpp, cfg.parallel.pp_layers)      # this rank's stages
-    chunks = [parallelize(c, mesh, cfg.parallel, cfg.compute, cfg.quant, dp) for c in chunks]  # TP / FSDP per chunk
+    chunks = build_model(cfg.model, cfg.parallel, cfg.compute, cfg.quant, mesh, dp, device)  # does both: split, TP / FSDP
     executor = PipelineExecutor(chunks, cfg.parallel.pp_schedule, pp_rank, pp, vpp, n_micro,
                                 mesh.group("pp"), loss_fn, device, activation_dtype)
     loss = executor.step(micro_batches)        # last stage: mean loss; other ranks: None
