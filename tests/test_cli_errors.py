@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from fourfold import cli
+from fourfold.cli import train as cli_train
 from fourfold.cli import main
 from tests.trainer_helpers import TINY_MODEL, write_corpus
 
@@ -202,7 +202,7 @@ def tripwires(monkeypatch):
         return tripwire
 
     monkeypatch.setattr("fourfold.train.trainer.train", reached("train"))
-    monkeypatch.setattr("fourfold.cli._launch_torchrun", reached("launch torchrun"))
+    monkeypatch.setattr("fourfold.cli.train._launch_torchrun", reached("launch torchrun"))
     monkeypatch.setattr("fourfold.infer.generate.generate_text", reached("generate"))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -266,7 +266,7 @@ def test_a_worker_stopping_on_a_user_error_exits_2_without_torchrun_traceback(mo
         raise ChildFailedError("fourfold", {1: ProcessFailure(1, 4242, 2, "<N/A>")})
 
     monkeypatch.setattr("torch.distributed.run.run", workers_failed)
-    assert cli._launch_torchrun(2, ["--parallel.fsdp", "2", "--out", "run"]) == 2
+    assert cli_train._launch_torchrun(2, ["--parallel.fsdp", "2", "--out", "run"]) == 2
     assert "Traceback" not in capsys.readouterr().err
 
 

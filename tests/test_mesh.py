@@ -139,7 +139,7 @@ def test_cli_checks_layout_against_nproc_before_launch(name, tmp_path, capsys, m
     def tripwire(*args, **kwargs):
         raise AssertionError("the layout passed the CLI's check and went on to launch or train")
 
-    monkeypatch.setattr("fourfold.cli._launch_torchrun", tripwire)
+    monkeypatch.setattr("fourfold.cli.train._launch_torchrun", tripwire)
     monkeypatch.setattr("fourfold.train.trainer.train", tripwire)
     argv = ["train", "--out", str(tmp_path / "run"), "--nproc", str(world), *_cli_flags(tmp_path, overrides)]
     assert main(argv) == 2
