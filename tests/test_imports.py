@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fourfold", "fourfold.errors", "fourfold.units", "fourfold.settings"),
     ("fourfold.config", "fourfold.config_text", "fourfold.models.presets", "fourfold.preflight"),
     ("fourfold.models", "fourfold.precision", "fourfold.hardware", "fourfold.distributed", "fourfold.ops",
-     "fourfold.optim", "fourfold.tokenizer"),
+     "fourfold.optim", "fourfold.tokenizer", "fourfold.chat"),
     ("fourfold.layout", "fourfold.mesh", "fourfold.parallel", "fourfold.recompute", "fourfold.quant",
      "fourfold.checkpoint"),
     ("fourfold.train", "fourfold.infer", "fourfold.plan"),

@@ -97,8 +97,13 @@ def _barrier() -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module | list[nn.Module], optimizer, meta: dict,
-                    keep: int, *, writer: bool, shard_name: str = "model") -> Path:
-    """Write checkpoint `step`; collective (every rank calls it), ranks with writer=True write files."""
+                    keep: int, *, writer: bool, shard_name: str = "model",
+                    extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write checkpoint `step`; collective (every rank calls it), ranks with writer=True write files.
+
+    `extra_files` (name -> content; tokenizer.json, tokenizer_config.json, ...) are written by rank 0 into
+    the checkpoint directory before it becomes visible.
+    """
     root = _checkpoints_dir(run_dir)
     tmp, final = root / f".tmp-step_{step}", root / f"step_{step}"
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -125,6 +130,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module | list[nn.Module]
         shards = sorted({s for s in gathered if s is not None})
     _barrier()
     if is_rank0:
+        for name, content in (extra_files or {}).items():
+            (tmp / name).write_bytes(content)
         record = {**meta, "step": step, "shards": shards}
         with open(tmp / "meta.json", "w") as f:
             json.dump(record, f, indent=1)
