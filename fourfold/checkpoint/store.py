@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from fourfold.checkpoint.dcp_storage import SafetensorsStorageReader, SafetensorsStorageWriter, \
@@ -107,11 +108,20 @@ def resolve_resume(run_dir: Path, resume: str | bool) -> Path | None:
 
 
 @contextlib.contextmanager
-def _dcp_quiet():
-    """DCP warns on every single-process call that it assumes a single process, which is meant here."""
+def _dcp_call():
+    """Around a DCP save or load: its single-process warning silenced (one process is meant here), and the
+    first rank's failure raised as itself (a CheckpointError naming the file, an OSError) rather than
+    wrapped in DCP's CheckpointException, a BaseException with every rank's traceback."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        try:
+            yield
+        except CheckpointException as e:
+            failures = [f[0] if isinstance(f, tuple) else f for _, f in sorted(e.failures.items())]
+            first = next((f for f in failures if isinstance(f, Exception)), None)
+            if first is None:
+                raise
+            raise first from None
 
 
 def _barrier(group=None) -> None:
@@ -154,7 +164,7 @@ def write_checkpoint(run_dir: Path, step: int, state: dict[str, torch.Tensor], g
         tmp.mkdir(parents=True)
     _barrier(group)
     writer = SafetensorsStorageWriter(tmp)
-    with _dcp_quiet():
+    with _dcp_call():
         dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
                  process_group=group, no_dist=not dist.is_initialized())
     if is_rank0:
@@ -237,7 +247,7 @@ def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer=No
         groups = _read_groups(path)
         destinations = optimizer_destinations(model, optimizer, record["tensors"], where)
         state.update(destinations)
-    with torch.no_grad(), _dcp_quiet():
+    with torch.no_grad(), _dcp_call():
         dcp.load(state, storage_reader=SafetensorsStorageReader(path),
                  planner=DefaultLoadPlanner(flatten_state_dict=False), no_dist=not dist.is_initialized())
     if optimizer is not None:
