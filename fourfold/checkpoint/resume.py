@@ -18,7 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from fourfold.checkpoint.store import incomplete_checkpoints, list_checkpoints, load_checkpoint, resolve_resume
+from fourfold.checkpoint.store import incomplete_checkpoints, list_checkpoints, load_checkpoint, read_meta, \
+    resolve_resume
 from fourfold.errors import CheckpointError
 
 DATA_KEYS = ("global_batch", "seq_len", "data_path", "sequences")
@@ -42,8 +43,8 @@ def resume_from(run_dir: Path, resume: str | bool, modules, optimizer, log: Call
     failed: list[tuple[Path, CheckpointError]] = []
     for path in _candidates(run_dir, resume):
         try:
+            check_resumable(read_meta(path), path)
             meta = load_checkpoint(path, modules, optimizer, verify=verify)
-            check_resumable(meta, path)
         except CheckpointError as e:
             if not automatic:
                 raise
