@@ -29,8 +29,9 @@ def stage_to_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, t in state.items():
         if isinstance(t, DTensor):
             local = t.to_local().detach().to("cpu", copy=True)
-            out[name] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                           stride=t.stride())
+            # Not DTensor.from_local, which moves a local tensor to the mesh's device type (back onto the GPU);
+            # the constructor keeps it where it is, as DCP's own staging does.
+            out[name] = DTensor(local, t._spec, requires_grad=False)
         else:
             out[name] = t.detach().to("cpu", copy=True)
     if torch.cuda.is_available() and torch.cuda.is_initialized():

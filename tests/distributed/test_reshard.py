@@ -1,7 +1,8 @@
 """Resharding: a checkpoint saved at step 2 under one layout resumes under another (other world sizes too) and
 continues exactly like the single-process run that never stopped: losses of steps 1-4 and final weights within
 the layout parity tolerance (float64, gloo). Pairs cover every dimension on each side: one process, FSDP,
-ZeRO-1, HSDP, DDP, tensor and sequence parallel, context parallel, pipeline and virtual pipeline stages.
+ZeRO-1, HSDP, DDP, tensor and sequence parallel, context parallel, pipeline and virtual pipeline stages; two
+pairs save in the background (checkpoint.async_save), whose DTensor shards are staged in host memory.
 Where the loading side is one process, the resume runs with every unpickling entry point made to raise.
 """
 
@@ -35,9 +36,11 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
-def _save(tmp: Path, name: str) -> Path:
-    """Train layout `name` for SAVED_AT steps into tmp/save-<name>; its checkpoint."""
-    Trainer(_cfg(tmp, _layout(name)[1], **{"checkpoint.every": SAVED_AT}), tmp / f"save-{name}").run(until=SAVED_AT)
+def _save(tmp: Path, name: str, background: bool = False) -> Path:
+    """Train layout `name` for SAVED_AT steps into tmp/save-<name> (saving in the background or not); its
+    checkpoint."""
+    extra = {"checkpoint.every": SAVED_AT, "checkpoint.async_save": background}
+    Trainer(_cfg(tmp, _layout(name)[1], **extra), tmp / f"save-{name}").run(until=SAVED_AT)
     return tmp / f"save-{name}" / "checkpoints" / f"step_{SAVED_AT}"
 
 
@@ -45,16 +48,17 @@ def _resume(tmp: Path, name: str, ckpt: Path, run: str) -> None:
     train(_cfg(tmp, _layout(name)[1]), tmp / run, resume=str(ckpt))
 
 
-def _save_on_rank(rank: int, world: int, tmp: str, name: str) -> None:
-    _save(Path(tmp), name)
+def _save_on_rank(rank: int, world: int, tmp: str, name: str, background: bool) -> None:
+    _save(Path(tmp), name, background)
 
 
 def _resume_on_rank(rank: int, world: int, tmp: str, name: str, ckpt: str, run: str) -> None:
     _resume(Path(tmp), name, Path(ckpt), run)
 
 
-def _save_then_resume_on_rank(rank: int, world: int, tmp: str, saver: str, loader: str, run: str) -> None:
-    _resume(Path(tmp), loader, _save(Path(tmp), saver), run)
+def _save_then_resume_on_rank(rank: int, world: int, tmp: str, saver: str, loader: str, run: str,
+                              background: bool) -> None:
+    _resume(Path(tmp), loader, _save(Path(tmp), saver, background), run)
 
 
 @pytest.fixture(scope="module")
@@ -74,31 +78,32 @@ def _refuse_unpickling(monkeypatch) -> None:
         monkeypatch.setattr(target, attr, refuse)
 
 
+# (save layout, load layout, whether the save runs in the background: checkpoint.async_save)
 PAIRS = [
-    pytest.param("single", "fsdp2", id="single->fsdp2"),
-    pytest.param("tp2-sp", "pp2-1f1b", id="tp2-sp->pp2"),
-    pytest.param("pp2-vpp2", "single", id="pp2-vpp2->single"),
-    pytest.param("cp2", "single", id="cp2->single"),
-    pytest.param("fsdp2", "cp2-allgather", id="fsdp2->cp2"),
-    pytest.param("zero1-2", "fsdp4", id="zero1-2->fsdp4", marks=pytest.mark.slow),
-    pytest.param("hsdp-2x2", "dp2", id="hsdp-2x2->dp2", marks=pytest.mark.slow),
-    pytest.param("pp2-fsdp2", "tp2-sp", id="pp2-fsdp2->tp2", marks=pytest.mark.slow),
+    pytest.param("single", "fsdp2", False, id="single->fsdp2"),
+    pytest.param("tp2-sp", "pp2-1f1b", False, id="tp2-sp->pp2"),
+    pytest.param("pp2-vpp2", "single", False, id="pp2-vpp2->single"),
+    pytest.param("cp2", "single", False, id="cp2->single"),
+    pytest.param("fsdp2", "cp2-allgather", True, id="fsdp2-async->cp2"),
+    pytest.param("zero1-2", "fsdp4", False, id="zero1-2->fsdp4", marks=pytest.mark.slow),
+    pytest.param("hsdp-2x2", "dp2", True, id="hsdp-2x2-async->dp2", marks=pytest.mark.slow),
+    pytest.param("pp2-fsdp2", "tp2-sp", False, id="pp2-fsdp2->tp2", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("saver,loader", PAIRS)
-def test_checkpoint_reshards_and_training_continues_exactly(saver, loader, reference, monkeypatch):
+@pytest.mark.parametrize("saver,loader,background", PAIRS)
+def test_checkpoint_reshards_and_training_continues_exactly(saver, loader, background, reference, monkeypatch):
     tmp, ref_losses, ref_weights = reference
     run = f"{saver}-to-{loader}"
     (save_ranks, _), (load_ranks, _) = _layout(saver), _layout(loader)
     ckpt = tmp / f"save-{saver}" / "checkpoints" / f"step_{SAVED_AT}"
     if save_ranks == load_ranks and save_ranks > 1:
-        run_ranks(_save_then_resume_on_rank, save_ranks, args=(str(tmp), saver, loader, run))
+        run_ranks(_save_then_resume_on_rank, save_ranks, args=(str(tmp), saver, loader, run, background))
     else:
         if save_ranks == 1:
-            _save(tmp, saver)
+            _save(tmp, saver, background)
         else:
-            run_ranks(_save_on_rank, save_ranks, args=(str(tmp), saver))
+            run_ranks(_save_on_rank, save_ranks, args=(str(tmp), saver, background))
         if load_ranks == 1:
             with monkeypatch.context() as m:
                 _refuse_unpickling(m)
