@@ -93,7 +93,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(where, tmp_path, monkeypatch, 
             Trainer(cfg, run).run()
     root = run / "checkpoints"
     partial = root / ".tmp-step_4"
-    assert (partial / "shard-00000.safetensors").is_file()  # the crash left a half-written checkpoint ...
+    assert (partial / "model-00000.safetensors").is_file()  # the crash left a half-written checkpoint ...
     assert (partial / "COMPLETE").is_file() == (where == "rename")
     assert not (root / "step_4").exists()
     # ... which neither listing nor resume picks up; step 2 survived (keep=1 never ran for step 4).
@@ -140,7 +140,8 @@ def test_checkpoint_holds_only_safetensors_and_json_and_loads_without_unpickling
     Trainer(cfg, run).run(until=2)
     ckpt = run / "checkpoints" / "step_2"
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == ["COMPLETE", "meta.json", "metadata.json", "optim.json", "shard-00000.safetensors"]
+    assert names == ["COMPLETE", "meta.json", "metadata.json", "model-00000.safetensors", "optim-00000.safetensors",
+                     "optim.json"]
 
     def refuse(*args, **kwargs):
         raise AssertionError("checkpoint loading unpickled something")
@@ -176,10 +177,11 @@ def _flip_a_bit(path: Path) -> None:
 
 
 DAMAGE = {
-    "truncated-shard": ("shard-00000.safetensors", _truncate),
-    "bit-flipped-shard": ("shard-00000.safetensors", _flip_a_bit),
-    "garbled-shard-header": ("shard-00000.safetensors", _garble_header),
-    "missing-shard": ("shard-00000.safetensors", _remove),
+    "truncated-shard": ("model-00000.safetensors", _truncate),
+    "bit-flipped-shard": ("model-00000.safetensors", _flip_a_bit),
+    "garbled-shard-header": ("model-00000.safetensors", _garble_header),
+    "missing-shard": ("model-00000.safetensors", _remove),
+    "bit-flipped-optimizer-shard": ("optim-00000.safetensors", _flip_a_bit),
     "truncated-metadata": ("metadata.json", _truncate),
     "truncated-optimizer-groups": ("optim.json", _truncate),
     "missing-optimizer-groups": ("optim.json", _remove),
@@ -296,3 +298,28 @@ def test_a_tensor_left_unwritten_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match="not written whole"):
         with SafetensorsWriter(tmp_path / "x.safetensors", [("w", (4, 2), torch.float32)]) as out:
             out.write_block("w", (0, 0), torch.zeros(2, 2))
+
+
+# ----- another model's checkpoint -----------------------------------------------------------------
+
+@pytest.mark.parametrize("change,message", [({"dim": 64}, "has shape"), ({"n_layers": 5}, "has no tensor"),
+                                            ({"n_layers": 3}, "model does not have")])
+def test_checkpoint_of_another_shape_is_refused_before_loading(change, message, saved_run):
+    ckpt = saved_run / "run" / "checkpoints" / "step_1"
+    cfg = _cfg(saved_run)
+    model = Llama(type(cfg.model)(**{**cfg.model.__dict__, **change})).double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=f"metadata.json.*{message}"):
+        ckpt_mod.load_checkpoint(ckpt, model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was loaded
+
+
+def test_loading_weights_alone_needs_no_optimizer_file(saved_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run / "run", run)
+    ckpt = run / "checkpoints" / "step_1"
+    _remove(ckpt / "optim-00000.safetensors")
+    model = Llama(_cfg(saved_run).model).double()
+    assert ckpt_mod.load_checkpoint(ckpt, model)["step"] == 1  # inference and init_from read the weights only
+    with pytest.raises(CheckpointError, match="optim-00000.safetensors is missing"):
+        ckpt_mod.load_checkpoint(ckpt, model, torch.optim.AdamW(model.parameters()))

@@ -52,8 +52,8 @@ def _logits(model: Llama) -> torch.Tensor:
 
 def test_consolidated_file_holds_every_model_tensor_whole(sharded):
     tmp, ckpt, out = sharded
-    assert sorted(p.name for p in ckpt.glob("shard-*.safetensors")) == ["shard-00000.safetensors",
-                                                                         "shard-00001.safetensors"]
+    assert sorted(p.name for p in ckpt.glob("model-*.safetensors")) == ["model-00000.safetensors",
+                                                                         "model-00001.safetensors"]
     config, tensors = read_model_tensors(ckpt)
     model = Llama(_cfg(tmp).model).double()
     assert set(tensors) == set(model.state_dict()) and config["parallel"]["fsdp"] == 2

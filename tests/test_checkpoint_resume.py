@@ -68,14 +68,14 @@ def _flip_a_bit(path: Path) -> None:
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
     tmp, ref_losses = reference
     run = _copy_run(reference, tmp_path, (1, 2))
-    _flip_a_bit(run / "checkpoints" / "step_2" / "shard-00000.safetensors")
+    _flip_a_bit(run / "checkpoints" / "step_2" / "model-00000.safetensors")
     shutil.copytree(run / "checkpoints" / "step_1", run / "checkpoints" / ".tmp-step_3")  # an unfinished save
     (run / "checkpoints" / ".tmp-step_3" / "COMPLETE").unlink()
     out = io.StringIO()
     trainer = Trainer(_cfg(tmp, **{"checkpoint.every": 1, "checkpoint.keep": 1}), run, resume=True,
                       console=Console(file=out, width=400))
     log = out.getvalue()
-    assert "sha256" in log and "shard-00000.safetensors" in log
+    assert "sha256" in log and "model-00000.safetensors" in log
     assert f"{run / 'checkpoints' / 'step_2'} could not be loaded; resumed from the previous complete checkpoint " \
            f"{run / 'checkpoints' / 'step_1'}" in log
     assert "Skipping incomplete checkpoints" in log and ".tmp-step_3" in log
@@ -90,7 +90,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(reference, tmp
 def test_explicit_damaged_checkpoint_is_refused_not_substituted(reference, tmp_path):
     tmp, _ = reference
     run = _copy_run(reference, tmp_path, (1, 2))
-    _flip_a_bit(run / "checkpoints" / "step_2" / "shard-00000.safetensors")
+    _flip_a_bit(run / "checkpoints" / "step_2" / "model-00000.safetensors")
     with pytest.raises(CheckpointError, match="step_2.*sha256"):
         Trainer(_cfg(tmp), run, resume=str(run / "checkpoints" / "step_2"))
 

@@ -58,7 +58,7 @@ def test_corrupt_checkpoint_is_reported(tmp_path, capsys):
     cfg = tiny_config(tmp_path, **{"train.steps": "2"})
     train(cfg, tmp_path / "run")
     ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]
-    weights = next(ckpt.glob("shard-*.safetensors"))
+    weights = next(ckpt.glob("model-*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:100])
     assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err

@@ -7,8 +7,9 @@ DCP plans the save (each rank's DTensor shards as they are; a tensor several ran
 replicas and ZeRO-1 owners do, is written once) and the load (each rank reads exactly the block of every
 saved chunk that overlaps its own shard, so any layout loads any other). What DCP leaves to the storage
 layer is how bytes reach the disk, and there fourfold differs from DCP's FileSystemWriter, whose
-`.metadata` and tensor records are pickles: here each rank writes one file `shard-<rank>.safetensors`
-holding its chunks (key: the tensor's name, followed by `@offsets` when the chunk is not the whole tensor),
+`.metadata` and tensor records are pickles: here each rank writes `model-<rank>.safetensors` and
+`optim-<rank>.safetensors` holding its chunks of weights and of optimizer state (loading weights alone,
+for inference or `init_from`, touches only the first kind; key: the tensor's name, followed by `@offsets` when the chunk is not the whole tensor),
 streamed one chunk at a time with a running sha256, and the coordinator writes `metadata.json` (every
 tensor's dtype, shape and chunks, and the file and key of each chunk). Loading reads only that JSON and
 the safetensors headers and byte ranges; a state dict holding anything but tensors is refused.
@@ -39,9 +40,19 @@ METADATA_FILE = "metadata.json"
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPE_CODES}
 
 
-def shard_file(rank: int) -> str:
-    """The file rank `rank` writes its chunks to."""
-    return f"shard-{rank:05d}.safetensors"
+def shard_file(rank: int, kind: str) -> str:
+    """The file rank `rank` writes its chunks of model weights (kind "model") or optimizer state ("optim") to."""
+    return f"{kind}-{rank:05d}.safetensors"
+
+
+def is_optimizer_entry(fqn: str) -> bool:
+    """Whether a state-dict entry is optimizer state (`state.<param>.<key>`) rather than a model tensor."""
+    return fqn.startswith("state.")
+
+
+def files_for(record: dict, optimizer: bool) -> set[str]:
+    """The shard files holding the model's chunks (and, with `optimizer`, the optimizer state's)."""
+    return {c["file"] for c in record["storage"] if optimizer or not is_optimizer_entry(c["fqn"])}
 
 
 def chunk_key(fqn: str, offsets, sizes, size) -> str:
@@ -87,9 +98,15 @@ class SafetensorsStorageWriter(StorageWriter):
         if any(item.type == WriteItemType.BYTE_IO for item in items):
             names = [item.index.fqn for item in items if item.type == WriteItemType.BYTE_IO]
             raise CheckpointError(f"Only tensors go into checkpoint shards; {names[:5]} are not tensors.")
-        if not items:
-            return _done([])
-        name = shard_file(self.rank)
+        results = []
+        for kind, chosen in (("model", [i for i in items if not is_optimizer_entry(i.index.fqn)]),
+                             ("optim", [i for i in items if is_optimizer_entry(i.index.fqn)])):
+            if chosen:
+                results += self._write_file(shard_file(self.rank, kind), chosen, planner)
+        return _done(results)
+
+    def _write_file(self, name: str, items: list, planner) -> list[WriteResult]:
+        """Write `items` (whole chunks, in order) to the file `name`; their WriteResults."""
         specs, keys = [], {}
         for item in items:
             data = item.tensor_data
@@ -102,9 +119,8 @@ class SafetensorsStorageWriter(StorageWriter):
                 out.write(keys[item.index], tensor.detach())
                 del tensor
         stored = {"file": name, "bytes": out.size, "sha256": out.sha256}
-        results = [WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0,
-                               storage_data={**stored, "key": keys[item.index]}) for item in items]
-        return _done(results)
+        return [WriteResult(index=item.index, size_in_bytes=item.tensor_storage_size() or 0,
+                            storage_data={**stored, "key": keys[item.index]}) for item in items]
 
     def finish(self, metadata: Metadata, results) -> None:
         """On the coordinator: write metadata.json (fsynced) and remember each shard file's size and digest."""

@@ -1,6 +1,6 @@
 """The COMPLETE marker: written last, it lists every file of a checkpoint with its size and sha256.
 
-    write_manifest(directory, step, known={"shard-00000.safetensors": {"bytes": ..., "sha256": ...}})
+    write_manifest(directory, step, known={"model-00000.safetensors": {"bytes": ..., "sha256": ...}})
     is_complete(directory)          # the marker exists: every file was written and fsynced before it
     verify_files(directory)         # CheckpointError naming the first missing, truncated or altered file
 
@@ -80,22 +80,34 @@ def check_file(directory: Path, name: str, expected: dict, hash_it: bool) -> str
     return None
 
 
-def verify_files(directory: Path, share: tuple[int, int] = (0, 1), hash_it: bool = True) -> str | None:
-    """Check sizes of every file and checksums of this rank's share (index, count) of them: the first problem."""
+def verify_files(directory: Path, share: tuple[int, int] = (0, 1), hash_it: bool = True,
+                 names=None) -> str | None:
+    """Check sizes of the files (`names`, default all) and checksums of this rank's share (index, count) of
+    them: the first problem, or None."""
     record = read_manifest(directory)
     index, count = share
-    for i, (name, expected) in enumerate(sorted(record["files"].items())):
+    chosen = sorted((n, e) for n, e in record["files"].items() if names is None or n in names)
+    missing = sorted(set(names or ()) - set(record["files"]))
+    if missing:
+        return f"{Path(directory) / missing[0]} is not listed in {MARKER}"
+    for i, (name, expected) in enumerate(chosen):
         problem = check_file(directory, name, expected, hash_it and i % count == index)
         if problem:
             return problem
     return None
 
 
-def verify_shared(directory: Path, hash_it: bool = True) -> None:
-    """Every rank checks its share of the files; CheckpointError on every rank if any rank found a problem."""
+def small_files(directory: Path) -> set[str]:
+    """The files of the checkpoint other than tensor shards (JSON, tokenizer): checked before they are parsed."""
+    return {n for n in read_manifest(directory)["files"] if not n.endswith(".safetensors")}
+
+
+def verify_shared(directory: Path, hash_it: bool = True, names=None) -> None:
+    """Every rank checks its share of the files (`names`, default all); CheckpointError on every rank if any
+    rank found a problem."""
     if dist.is_initialized():
         try:
-            problem = verify_files(directory, (dist.get_rank(), dist.get_world_size()), hash_it)
+            problem = verify_files(directory, (dist.get_rank(), dist.get_world_size()), hash_it, names)
         except CheckpointError as e:
             problem = str(e)
         found: list = [None] * dist.get_world_size()
@@ -103,7 +115,7 @@ def verify_shared(directory: Path, hash_it: bool = True) -> None:
         problems = [p for p in found if p]
         problem = problems[0] if problems else None
     else:
-        problem = verify_files(directory, hash_it=hash_it)
+        problem = verify_files(directory, hash_it=hash_it, names=names)
     if problem:
         raise CheckpointError(f"Checkpoint {directory} is damaged: {problem}. Resume from an earlier checkpoint "
                               "or retrain.")

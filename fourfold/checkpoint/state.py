@@ -85,8 +85,14 @@ def optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
 
 # ----- loading ----------------------------------------------------------------------------------
 
-def check_model_tensors(model, saved: dict, where: str) -> None:
-    """Raise CheckpointError unless `saved` (metadata.json's tensors) has every model tensor with its shape."""
+def check_model_tensors(model, saved: dict, where: str, everyone: set[str]) -> None:
+    """Raise CheckpointError unless `saved` (metadata.json's tensors) has every model tensor with its shape, and
+    no model tensor outside `everyone` (the names all ranks' parts of the model hold together)."""
+    extra = sorted(n for n in saved if not n.startswith("state.") and n not in everyone)
+    if extra:
+        raise CheckpointError(f"{where}: the checkpoint holds tensors the model does not have ({', '.join(extra[:3])}"
+                              f"{', ...' if len(extra) > 3 else ''}); it was saved from a different model shape: use "
+                              "the config it was trained with.")
     for name, t in model_tensors(model).items():
         entry = saved.get(name)
         if entry is None:

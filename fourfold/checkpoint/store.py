@@ -3,8 +3,8 @@
     save_checkpoint(run_dir, step, model, optimizer, meta, keep)
     meta = load_checkpoint(path, model, optimizer)      # any layout loads a checkpoint of any other
 
-A checkpoint is `run_dir/checkpoints/step_N/` holding `shard-<rank>.safetensors` (the chunks that rank
-wrote), `metadata.json` (every tensor's shape, dtype and chunks: where each chunk lives), `optim.json`
+A checkpoint is `run_dir/checkpoints/step_N/` holding `model-<rank>.safetensors` and
+`optim-<rank>.safetensors` (the chunks of weights and of optimizer state that rank wrote), `metadata.json` (every tensor's shape, dtype and chunks: where each chunk lives), `optim.json`
 (the optimizer's param groups), `meta.json` (step, config, data position, ...), any extra files
 (tokenizer) and, written last, `COMPLETE` (size and sha256 of every file). Tensors are keyed by the
 model's parameter names, which every layout keeps, and DCP plans the save (DTensor shards as they are,
@@ -14,8 +14,9 @@ safetensors and the metadata in JSON, so loading never unpickles.
 
 Atomicity: everything is written into `checkpoints/.tmp-step_N/`, each file fsynced, the marker last,
 then the directory is renamed to `step_N`; only directories with the marker count (`list_checkpoints`).
-Loading first checks every file against the marker (sizes everywhere, checksums shared among ranks), so
-a truncated, altered or missing file is a CheckpointError naming it before any tensor is loaded.
+Loading first checks the files it needs against the marker (sizes, and checksums shared among ranks; the
+weight files alone when no optimizer is loaded), so a truncated, altered or missing file is a
+CheckpointError naming it before any tensor is loaded.
 Keep-last-K deletes older complete checkpoints only, never one named in `protect` (the trainer passes
 the checkpoint it resumed from), and never the one just written.
 """
@@ -36,9 +37,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from fourfold.checkpoint.dcp_storage import SafetensorsStorageReader, SafetensorsStorageWriter, \
+from fourfold.checkpoint.dcp_storage import SafetensorsStorageReader, SafetensorsStorageWriter, files_for, \
     read_storage_metadata, write_json
-from fourfold.checkpoint.manifest import is_complete, verify_shared, write_manifest
+from fourfold.checkpoint.manifest import is_complete, small_files, verify_shared, write_manifest
 from fourfold.checkpoint.state import check_model_tensors, install_optimizer_state, model_tensors, \
     optimizer_destinations, optimizer_tensors, param_groups
 from fourfold.errors import CheckpointError
@@ -229,6 +230,16 @@ def _read_groups(path: Path) -> list:
                               "has no optimizer state to resume from.") from None
 
 
+def _all_ranks_names(model) -> set[str]:
+    """The model tensor names of every rank together (pipeline stages each hold some); collective."""
+    mine = sorted(model_tensors(model))
+    if not dist.is_initialized():
+        return set(mine)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {name for names in everyone for name in names}
+
+
 def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer=None, *, verify: bool = True) -> dict:
     """Load weights (and optimizer state) into `model`, each rank reading only its shards; return meta.
 
@@ -237,10 +248,11 @@ def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer=No
     """
     path = Path(path)
     meta = read_meta(path)
-    verify_shared(path, hash_it=verify)
+    verify_shared(path, hash_it=verify, names=small_files(path))
     record = read_storage_metadata(path)
+    verify_shared(path, hash_it=verify, names=files_for(record, optimizer is not None))
     where = str(path / "metadata.json")
-    check_model_tensors(model, record["tensors"], where)
+    check_model_tensors(model, record["tensors"], where, _all_ranks_names(model))
     state = dict(model_tensors(model))
     destinations = {}
     if optimizer is not None:
