@@ -1,7 +1,10 @@
-"""safetensors files written block by block, and read one tensor (or one block of it) at a time by name.
+"""safetensors files written in pieces (block by block, or tensor by tensor with a running sha256), and read
+one tensor (or one block of it) at a time by name.
 
     with SafetensorsWriter(path, [(name, shape, dtype), ...]) as out:
         out.write_block(name, offset, block)        # any rectangular block of a tensor, in any order
+    with SequentialSafetensorsWriter(path, specs) as out:
+        out.write(name, tensor)                     # each tensor whole, in the order of specs; out.sha256 after
     reader = TensorReader([path, ...]); reader.shape(name); reader.get(name); reader.get_block(name, offset, shape)
 
 Why our own writer: safetensors' Python API (`save_file`, `save`) takes the whole dict of tensors at once,
