@@ -148,7 +148,7 @@ def run_one(preset: str, device: str, root: Path, steps_during: int) -> dict:
         if not async_skipped:
             saver = AsyncSaver()
             stall = saver.save(run, 2, modules, optimizer, meta, keep=0)
-            while saver._pending is not None and not saver._pending.done() and with_optimizer and n_during < 1000:
+            while saver.pending and not saver.running_done() and with_optimizer and n_during < 1000:
                 during += step_time(1)
                 n_during += 1
             async_s = saver.wait()

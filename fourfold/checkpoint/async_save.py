@@ -66,6 +66,15 @@ class AsyncSaver:
                                           self.group)
         return time.perf_counter() - begin
 
+    @property
+    def pending(self) -> bool:
+        """Whether a save was started and not yet waited for."""
+        return self._pending is not None
+
+    def running_done(self) -> bool:
+        """Whether the save in flight (if any) has finished writing (without waiting for it)."""
+        return self._pending is None or self._pending.done()
+
     def wait(self) -> float | None:
         """Wait for the save in flight (re-raising its error); the seconds its writing took, or None."""
         if self._pending is None:

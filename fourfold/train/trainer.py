@@ -201,8 +201,9 @@ class Trainer:
             self._finish_saving()
             self._report_runner()
         finally:
-            if self.saver is not None:
-                self.saver.close()
+            if self.saver is not None and self.saver.pending:
+                with contextlib.suppress(Exception):  # training failed: let a save in flight finish, keep its error
+                    self.saver.wait()
             progress.close()
             if self.metrics is not None:
                 self.metrics.close()
