@@ -9,8 +9,8 @@ Each preset runs in its own process: build fourfold's trainer (bf16 autocast, fp
 take a few training steps so the optimizer state exists (if AdamW state does not fit on the device, the
 model alone is saved, and the result says so), then
   sync:  `Trainer.save` with checkpoint.async_save off: the stall is the whole save;
-  async: (skipped, and said so, when the host copy would not fit in 80% of MemAvailable) `AsyncSaver.save` (the stall: copying this rank's state to host memory), then training steps run
-         while the background thread writes; the step time during the save is reported next to the step
+  async: `AsyncSaver.save` (the stall: copying this rank's state to host memory; skipped, and said so,
+         when that copy would not fit in 80% of MemAvailable), then training steps run while the background thread writes; the step time during the save is reported next to the step
          time without one, and the save's own duration when it finishes;
   load:  `load_checkpoint` of the saved checkpoint into the same model and optimizer, with sha256
          verification of every file and with sizes only.

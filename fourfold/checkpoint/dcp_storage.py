@@ -9,8 +9,8 @@ saved chunk that overlaps its own shard, so any layout loads any other). What DC
 layer is how bytes reach the disk, and there fourfold differs from DCP's FileSystemWriter, whose
 `.metadata` and tensor records are pickles: here each rank writes `model-<rank>.safetensors` and
 `optim-<rank>.safetensors` holding its chunks of weights and of optimizer state (loading weights alone,
-for inference or `init_from`, touches only the first kind; key: the tensor's name, followed by `@offsets` when the chunk is not the whole tensor),
-streamed one chunk at a time with a running sha256, and the coordinator writes `metadata.json` (every
+for inference or `init_from`, touches only the first kind; key: the tensor's name, followed by `@offsets`
+when the chunk is not the whole tensor), streamed one chunk at a time with a running sha256, and the coordinator writes `metadata.json` (every
 tensor's dtype, shape and chunks, and the file and key of each chunk). Loading reads only that JSON and
 the safetensors headers and byte ranges; a state dict holding anything but tensors is refused.
 

@@ -4,8 +4,9 @@
     meta = load_checkpoint(path, model, optimizer)      # any layout loads a checkpoint of any other
 
 A checkpoint is `run_dir/checkpoints/step_N/` holding `model-<rank>.safetensors` and
-`optim-<rank>.safetensors` (the chunks of weights and of optimizer state that rank wrote), `metadata.json` (every tensor's shape, dtype and chunks: where each chunk lives), `optim.json`
-(the optimizer's param groups), `meta.json` (step, config, data position, ...), any extra files
+`optim-<rank>.safetensors` (the chunks of weights and of optimizer state that rank wrote),
+`metadata.json` (every tensor's shape, dtype and chunks: where each chunk lives), `optim.json` (the
+optimizer's param groups), `meta.json` (step, config, data position, ...), any extra files
 (tokenizer) and, written last, `COMPLETE` (size and sha256 of every file). Tensors are keyed by the
 model's parameter names, which every layout keeps, and DCP plans the save (DTensor shards as they are,
 whole tensors held by several ranks written once) and the load (each rank reads only the parts of the
@@ -39,73 +40,18 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from fourfold.checkpoint.dcp_storage import SafetensorsStorageReader, SafetensorsStorageWriter, files_for, \
     read_storage_metadata, write_json
-from fourfold.checkpoint.manifest import is_complete, small_files, verify_shared, write_manifest
+from fourfold.checkpoint.listing import checkpoint_at, checkpoints_dir, fsync_dir, incomplete_checkpoints, \
+    latest_checkpoint, list_checkpoints, resolve_resume, retain
+from fourfold.checkpoint.manifest import small_files, verify_shared, write_manifest
 from fourfold.checkpoint.state import check_model_tensors, install_optimizer_state, model_tensors, \
     optimizer_destinations, optimizer_tensors, param_groups
 from fourfold.errors import CheckpointError
 
 OPTIM_GROUPS = "optim.json"
-
-
-def _checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _step_of(p: Path) -> int:
-    try:
-        return int(p.name.split("_", 1)[1])
-    except (IndexError, ValueError):
-        return -1
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints (the COMPLETE marker present), oldest first."""
-    root = _checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    done = [p for p in root.iterdir() if p.name.startswith("step_") and _step_of(p) >= 0 and is_complete(p)]
-    return sorted(done, key=_step_of)
-
-
-def incomplete_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint directories of `run_dir` without the marker (saves that never finished), oldest first."""
-    root = _checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(("step_", ".tmp-step_"))
-             and not is_complete(p)]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of `run_dir`, or None."""
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def checkpoint_at(path: str | Path) -> Path | None:
-    """`path` itself if it is a complete checkpoint, else the newest complete one of the run directory `path`."""
-    path = Path(path)
-    return path if is_complete(path) else latest_checkpoint(path)
-
-
-def resolve_resume(run_dir: Path, resume: str | bool) -> Path | None:
-    """True/'latest' -> the newest checkpoint of run_dir (or None); a path -> that checkpoint."""
-    if resume is True or resume == "latest":
-        return latest_checkpoint(run_dir)
-    inner = checkpoint_at(resume)
-    if inner is None:
-        raise CheckpointError(f"--resume {resume}: no complete checkpoint there (a checkpoint directory holds the "
-                              "COMPLETE marker); pass a checkpoints/step_N directory or a run directory.")
-    return inner
+# Re-exported: callers find every checkpoint entry point here.
+__all__ = ["save_checkpoint", "load_checkpoint", "read_meta", "write_checkpoint", "checkpoint_state",
+           "gather_param_groups", "checkpoint_at", "latest_checkpoint", "list_checkpoints", "incomplete_checkpoints",
+           "resolve_resume", "retain"]
 
 
 @contextlib.contextmanager
@@ -157,7 +103,7 @@ def write_checkpoint(run_dir: Path, step: int, state: dict[str, torch.Tensor], g
                      group=None) -> Path:
     """Write `state` (this rank's part) as checkpoint `step` through DCP and make it visible; collective over
     `group` (default: every rank). The asynchronous saver calls this from its thread with its own group."""
-    root = _checkpoints_dir(run_dir)
+    root = checkpoints_dir(run_dir)
     tmp, final = root / f".tmp-step_{step}", root / f"step_{step}"
     is_rank0 = not dist.is_initialized() or dist.get_rank(group) == 0
     if is_rank0:
@@ -175,24 +121,14 @@ def write_checkpoint(run_dir: Path, step: int, state: dict[str, torch.Tensor], g
             write_json(tmp / OPTIM_GROUPS, groups)
         write_json(tmp / "meta.json", {**meta, "step": step})
         write_manifest(tmp, step, getattr(writer, "files", {}))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         retain(run_dir, keep, protect={final, *map(Path, protect)})
     _barrier(group)
     return final
-
-
-def retain(run_dir: Path, keep: int, protect=()) -> None:
-    """Delete complete checkpoints older than the newest `keep` (0 keeps all), except those in `protect`."""
-    if keep <= 0:
-        return
-    protected = {Path(p).resolve() for p in protect}
-    for old in list_checkpoints(run_dir)[:-keep]:
-        if old.resolve() not in protected:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module | list[nn.Module], optimizer, meta: dict,
