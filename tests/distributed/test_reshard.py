@@ -88,6 +88,7 @@ PAIRS = [
     pytest.param("zero1-2", "fsdp4", False, id="zero1-2->fsdp4", marks=pytest.mark.slow),
     pytest.param("hsdp-2x2", "dp2", True, id="hsdp-2x2-async->dp2", marks=pytest.mark.slow),
     pytest.param("pp2-fsdp2", "tp2-sp", False, id="pp2-fsdp2->tp2", marks=pytest.mark.slow),
+    pytest.param("tp2-fsdp2", "zero2-2", False, id="tp2-fsdp2->zero2", marks=pytest.mark.slow),
 ]
 
 
