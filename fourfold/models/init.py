@@ -90,7 +90,7 @@ def fill_initial(dest: torch.Tensor, name: str, shape: tuple[int, ...], cfg: Mod
     for block in range(first // rows, (last + rows - 1) // rows if dest.numel() else first // rows):
         start = block * rows
         generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name, block))
-        values = torch.empty((min(rows, shape[0] - start), *shape[1:]), dtype=torch.float32)
+        values = torch.empty((min(rows, shape[0] - start), *shape[1:]), dtype=torch.float32, device="cpu")
         values.normal_(0.0, std, generator=generator)
         lo, hi = max(first, start), min(last, start + rows)
         dest[lo - first:hi - first] = values[(slice(lo - start, hi - start), *inner)]
