@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from fourfold.checkpoint.hf_import import DTYPES, TOKENIZER_FILES
-from fourfold.checkpoint.model_files import read_model_dir
+from fourfold.checkpoint.model_files import read_model_tensors
+from fourfold.checkpoint.store import checkpoint_at
 from fourfold.config import ModelConfig
 from fourfold.errors import CheckpointError, ConfigError
 from fourfold.models.hf import config_to_hf, hf_name
@@ -53,7 +54,8 @@ def export_hf(src: str | Path, out_dir: str | Path, dtype: str | None = None) ->
 
     `dtype` ('fp32', 'bf16', 'fp16') casts the weights; None keeps the stored dtype. Returns `out_dir`.
     """
-    config, tensors, ckpt = read_model_dir(src)
+    config, tensors = read_model_tensors(src)
+    ckpt = checkpoint_at(src)
     try:
         model = ModelConfig(**config["model"])
     except (KeyError, TypeError) as e:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from fourfold.checkpoint.model_files import write_model_dir
+from fourfold.checkpoint.model_files import write_consolidated
 from fourfold.config import ModelConfig, TrainConfig
 from fourfold.errors import CheckpointError, ConfigError
 from fourfold.models.hf import config_from_hf, fourfold_name
@@ -145,4 +145,4 @@ def import_hf(src_dir: str | Path, out_dir: str | Path, dtype: str | None = None
     model_section = config_from_hf(read_json(src / "config.json"))
     tensors = finish_tensors(read_hf_tensors(src), model_section, str(src), dtype)
     extra = tokenizer_files(src)
-    return write_model_dir(out, run_config(model_section, out, "tokenizer.json" in extra), tensors, extra)
+    return write_consolidated(out, run_config(model_section, out, "tokenizer.json" in extra), tensors, extra)

@@ -1,10 +1,12 @@
 """A whole model on disk as fourfold stores it: full tensors by fourfold name in safetensors, config in meta.json.
 
-    write_model_dir(out_dir, {"model": {...}, "data": {...}}, tensors, extra_files={"tokenizer.json": b"..."})
-    config, tensors = read_model_dir("runs/x")      # a checkpoint directory or a run directory (newest one)
+    write_consolidated(out_dir, {"model": {...}, "data": {...}}, tensors, extra_files={"tokenizer.json": b"..."})
+    config, tensors = read_model_tensors("runs/x")  # a checkpoint directory or a run directory (newest one)
+    consolidate("runs/x", "out/model")              # the two above, plus the checkpoint's tokenizer files
 
-The importers and exporters (hf_import, hf_export, gguf_import) go through these two functions only, so
-a sharded (DCP) checkpoint format can take their place in one spot. The directory written is a complete
+The importers and exporters (hf_import, hf_export, gguf_import, `fourfold convert`) go through these three
+functions only; they have the signatures of fourfold.checkpoint.consolidated (the sharded DCP format), which
+replaces this module when both are merged. The directory written is a complete
 fourfold checkpoint (`model-model.safetensors`, `meta.json` with `config`, `step` 0 and `shards`) that
 `fourfold generate --checkpoint DIR` loads; it appears only when complete (written beside, then renamed).
 """
@@ -26,7 +28,7 @@ from fourfold.errors import CheckpointError
 SHARD = "model"
 
 
-def write_model_dir(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor],
+def write_consolidated(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor],
                     extra_files: dict[str, bytes] | None = None) -> Path:
     """Write a one-shard fourfold checkpoint of `tensors` (fourfold names) with `config` in meta.json."""
     out = Path(out_dir)
@@ -51,8 +53,8 @@ def write_model_dir(out_dir: str | Path, config: dict, tensors: dict[str, torch.
     return out
 
 
-def read_model_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], Path]:
-    """(config dict, fourfold name -> full tensor, the checkpoint directory) of a checkpoint or run directory."""
+def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config dict, fourfold name -> full tensor) of a checkpoint directory or a run directory (its newest)."""
     ckpt = checkpoint_at(path)
     if ckpt is None:
         raise CheckpointError(f"No fourfold checkpoint at '{path}': pass a checkpoint directory (holding meta.json) "
@@ -65,4 +67,20 @@ def read_model_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], Pat
         if not f.is_file():
             raise CheckpointError(f"Checkpoint {ckpt} lists shard file {f.name}, which is missing.")
     reader = TensorReader(files)
-    return meta["config"], {name: reader.get(name) for name in reader.names()}, ckpt
+    return meta["config"], {name: reader.get(name) for name in reader.names()}
+
+
+def extra_files_of(path: str | Path) -> dict[str, bytes]:
+    """The files of checkpoint `path` that are neither tensors nor bookkeeping (tokenizer, chat template, ...)."""
+    return {p.name: p.read_bytes() for p in sorted(Path(path).iterdir())
+            if p.is_file() and p.name != "meta.json" and not p.name.endswith(".safetensors")
+            and not p.name.startswith("optim-")}
+
+
+def consolidate(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+    """A checkpoint (or run directory) -> one single-file model directory, tokenizer files included."""
+    found = checkpoint_at(checkpoint_dir)
+    if found is None:
+        raise CheckpointError(f"No fourfold checkpoint at '{checkpoint_dir}'.")
+    config, tensors = read_model_tensors(found)
+    return write_consolidated(out_dir, config, tensors, extra_files_of(found))
