@@ -106,7 +106,7 @@ def main(argv: list[str], console: Console) -> int:
     kind, out = convert(Path(args.src), Path(args.dst), args.to, args.dtype, args.force)
     names = {"gguf": "GGUF file", "hf": "Hugging Face directory", "fourfold": "fourfold checkpoint"}
     what = "Hugging Face directory" if args.to == "hf" else "fourfold checkpoint"
-    console.print(f"Converted the {names[kind]} {args.src} into the {what} {out}.", highlight=False)
+    console.print(f"Converted the {names[kind]} {args.src} into the {what} {out}.", highlight=False, soft_wrap=True)
     if args.to == "fourfold":
-        console.print(f"Try it: fourfold generate --checkpoint {out} --prompt 'Hello'", highlight=False)
+        console.print(f"Try it: fourfold generate --checkpoint {out} --prompt 'Hello'", highlight=False, soft_wrap=True)
     return 0
