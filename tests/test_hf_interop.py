@@ -139,3 +139,11 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="wrong shape"):
         import_hf(tmp_path / "hf", tmp_path / "ff")
     assert not (tmp_path / "ff").exists()
+
+
+def test_separate_chat_template_file_is_folded_into_tokenizer_config(tmp_path):
+    hf_model().save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    ckpt = import_hf(tmp_path / "hf", tmp_path / "ff")
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == "{% for m in messages %}{{ m.content }}{% endfor %}"

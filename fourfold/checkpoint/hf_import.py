@@ -135,6 +135,17 @@ def run_config(model_section: dict, out_dir: Path, has_tokenizer: bool) -> dict:
     return config
 
 
+def read_hf_model(src_dir: str | Path, dtype: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(fourfold [model] section, fourfold name -> tensor) of a Hugging Face Llama directory, checked and tied.
+
+    What `init_from` or an inference loader needs to build and fill a fourfold Llama from a Hugging Face
+    directory in memory, without writing a checkpoint. `dtype` as in `import_hf`.
+    """
+    src = Path(src_dir)
+    model_section = config_from_hf(read_json(src / "config.json"))
+    return model_section, finish_tensors(read_hf_tensors(src), model_section, str(src), dtype)
+
+
 def import_hf(src_dir: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """Import the Hugging Face Llama directory `src_dir` as the fourfold checkpoint directory `out_dir`.
 
@@ -142,7 +153,6 @@ def import_hf(src_dir: str | Path, out_dir: str | Path, dtype: str | None = None
     ConfigError for an architecture fourfold does not implement, CheckpointError for missing or bad files.
     """
     src, out = Path(src_dir), Path(out_dir)
-    model_section = config_from_hf(read_json(src / "config.json"))
-    tensors = finish_tensors(read_hf_tensors(src), model_section, str(src), dtype)
+    model_section, tensors = read_hf_model(src, dtype)
     extra = tokenizer_files(src)
     return write_consolidated(out, run_config(model_section, out, "tokenizer.json" in extra), tensors, extra)
