@@ -147,3 +147,15 @@ def test_separate_chat_template_file_is_folded_into_tokenizer_config(tmp_path):
     ckpt = import_hf(tmp_path / "hf", tmp_path / "ff")
     config = json.loads((ckpt / "tokenizer_config.json").read_text())
     assert config["chat_template"] == "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+def test_transformers_4_rope_fields_are_read():
+    """Older config.json files carry rope_theta and rope_scaling at the top level (no rope_parameters)."""
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+              "intermediate_size": 128, "vocab_size": 96, "rope_theta": 500000.0,
+              "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+    section = config_from_hf(config)
+    assert section["rope_theta"] == 500000.0
+    assert section["rope_scaling"] == {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_seq_len": 8192}

@@ -116,7 +116,7 @@ def dequantized(tensor) -> torch.Tensor:
 
 def read_gguf_tensors(reader, section: dict, source: str) -> dict[str, torch.Tensor]:
     """Every weight under its fourfold name, dequantized, q/k in fourfold's rotary layout."""
-    heads = {"attention.wq": section["n_heads"], "attention.wk": section["n_kv_heads"]}
+    heads = {"attn_q": section["n_heads"], "attn_k": section["n_kv_heads"]}  # the two permuted projections
     tensors, unknown = {}, []
     for tensor in reader.tensors:
         try:
@@ -125,8 +125,8 @@ def read_gguf_tensors(reader, section: dict, source: str) -> dict[str, torch.Ten
             unknown.append(tensor.name)
             continue
         value = dequantized(tensor)
-        part = name.rsplit(".", 1)[0].split(".", 2)[-1] if name.startswith("layers.") else ""
-        tensors[name] = unpermute(value, heads[part]) if part in heads else value
+        module = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""  # blk.<i>.<module>.weight
+        tensors[name] = unpermute(value, heads[module]) if module in heads else value
     if unknown:
         raise CheckpointError(f"{source} holds tensors fourfold's Llama has no place for ({', '.join(unknown[:5])}); "
                               "the architecture is not plain Llama.")

@@ -83,11 +83,8 @@ def check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int,
 def finish_tensors(tensors: dict[str, torch.Tensor], model_section: dict, source: str,
                    dtype: str | None) -> dict[str, torch.Tensor]:
     """Tie the head to the embedding when the config says so, check names and shapes, cast to `dtype`."""
-    if model_section["tie_embeddings"]:
-        tensors.pop("output.weight", None)
-        tensors["output.weight"] = tensors.get("tok_embeddings.weight")
-        if tensors["output.weight"] is None:
-            tensors.pop("output.weight")
+    if model_section["tie_embeddings"] and "tok_embeddings.weight" in tensors:
+        tensors["output.weight"] = tensors["tok_embeddings.weight"]  # a stored lm_head copy, if any, is the same
     check_tensors(tensors, expected_shapes(model_section), source)
     if dtype is not None:
         if dtype not in DTYPES:
