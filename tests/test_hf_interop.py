@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fourfold.checkpoint.hf_export import export_hf
-from fourfold.checkpoint.hf_import import import_hf
+from fourfold.checkpoint.hf_import import import_hf, own_tokenizer
 from fourfold.checkpoint.store import load_checkpoint
 from fourfold.config import build_config
 from fourfold.errors import CheckpointError, ConfigError
@@ -159,3 +159,13 @@ def test_transformers_4_rope_fields_are_read():
     assert section["rope_theta"] == 500000.0
     assert section["rope_scaling"] == {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_seq_len": 8192}
+
+
+def test_moved_checkpoint_still_finds_its_own_tokenizer(tmp_path):
+    hf_model().save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    import_hf(tmp_path / "hf", tmp_path / "ff")
+    (tmp_path / "ff").rename(tmp_path / "moved")
+    spec = json.loads((tmp_path / "moved" / "meta.json").read_text())["config"]["data"]["tokenizer"]
+    assert own_tokenizer(tmp_path / "moved", spec) == str(tmp_path / "moved" / "tokenizer.json")
+    assert own_tokenizer(tmp_path, "byte") == "byte"

@@ -123,6 +123,16 @@ def tokenizer_files(src: Path) -> dict[str, bytes]:
     return files
 
 
+def own_tokenizer(checkpoint_dir: str | Path, spec: str) -> str:
+    """The tokenizer a checkpoint's model should use: its own tokenizer.json when it carries one, else `spec`.
+
+    Imported checkpoints record the absolute path of their copy in `data.tokenizer`; loaders that call
+    this keep working after the directory is moved or copied to another machine.
+    """
+    own = Path(checkpoint_dir) / "tokenizer.json"
+    return str(own) if own.is_file() else spec
+
+
 def run_config(model_section: dict, out_dir: Path, has_tokenizer: bool) -> dict:
     """The config saved in meta.json: the model, its own tokenizer, a sequence length the model covers."""
     config = {"model": model_section, "train": {"seq_len": min(TrainConfig().seq_len, model_section["max_seq_len"])}}
