@@ -78,6 +78,9 @@ def fill_initial(dest: torch.Tensor, name: str, shape: tuple[int, ...], cfg: Mod
     if name.endswith("norm.weight"):
         dest.fill_(1.0)
         return
+    if name.endswith(".bias"):  # linear biases (attention_bias / mlp_bias) start at zero, as in Hugging Face
+        dest.zero_()
+        return
     if not shape:  # a scalar: one row of one element
         fill_initial(dest.view(1), name, (1,), cfg, seed, (0,))
         return
