@@ -144,6 +144,8 @@ def run_one(preset: str, device: str, root: Path, steps_during: int) -> dict:
     during, n_during = 0.0, 0
     host_free = _meminfo("MemAvailable")
     async_skipped = size > 0.8 * host_free if host_free else False  # the host copy would not fit
+    if not async_skipped:
+        shutil.rmtree(path)  # one checkpoint on disk at a time (an 8B one with AdamW state is ~100 GB)
     with _Peaks(torch, trainer.device) as async_peak:
         if not async_skipped:
             saver = AsyncSaver()
