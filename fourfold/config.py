@@ -221,7 +221,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """The [checkpoint] section: when checkpoints are saved and how many are kept."""
+    """The [checkpoint] section: when and how checkpoints are saved, how many are kept, and initial weights."""
 
     every: int = setting(100, ge=0)
     """Steps between checkpoints; 0 saves only at the end."""
@@ -229,6 +229,13 @@ class CheckpointConfig:
     """Keep the newest K checkpoints; 0 keeps them all."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
+    async_save: bool = False
+    """Save in the background: training stalls only while this rank's state is copied to host memory."""
+    verify: bool = True
+    """Check every file's sha256 against the checkpoint's COMPLETE marker before loading (sizes are always checked)."""
+    init_from: str = ""
+    """Start from the model weights (not optimizer, step or data position) of this fourfold checkpoint or run
+    directory, under any layout; the [model] shape comes from its config (explicit [model] keys must agree)."""
 
 
 @dataclass
