@@ -20,7 +20,7 @@ import torch
 
 from fourfold.checkpoint.gguf_tokenizer import tokenizer_files
 from fourfold.checkpoint.hf_import import finish_tensors, run_config
-from fourfold.checkpoint.model_files import write_consolidated
+from fourfold.checkpoint.consolidated import write_consolidated
 from fourfold.errors import CheckpointError, ConfigError
 
 OUTER = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "output"}

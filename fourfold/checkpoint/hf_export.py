@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from fourfold.checkpoint.hf_import import DTYPES, TOKENIZER_FILES
-from fourfold.checkpoint.model_files import read_model_tensors
+from fourfold.checkpoint.consolidated import read_model_tensors
 from fourfold.checkpoint.store import checkpoint_at
 from fourfold.config import ModelConfig
 from fourfold.errors import CheckpointError, ConfigError

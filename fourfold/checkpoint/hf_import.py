@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from fourfold.checkpoint.model_files import write_consolidated
+from fourfold.checkpoint.consolidated import write_consolidated
 from fourfold.config import ModelConfig, TrainConfig
 from fourfold.errors import CheckpointError, ConfigError
 from fourfold.models.hf import config_from_hf, fourfold_name

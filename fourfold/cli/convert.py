@@ -95,7 +95,7 @@ def convert(src: Path, dst: Path, to: str, dtype: str | None, force: bool = Fals
     if dtype is not None:
         raise ConfigError("fourfold convert: --dtype applies to imports and --to hf exports; consolidating a fourfold "
                           "checkpoint keeps its dtype.")
-    from fourfold.checkpoint.model_files import consolidate
+    from fourfold.checkpoint.consolidated import consolidate
 
     return kind, consolidate(src, dst)
 
