@@ -89,7 +89,7 @@ class Trainer:
         self.loaded_from: Path | None = None  # the checkpoint this run resumed from: keep-K never deletes it
         self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
         if cfg.checkpoint.init_from:
-            load_init_weights(cfg.checkpoint.init_from, self.runner.checkpoint_modules)
+            load_init_weights(cfg.checkpoint.init_from, self.runner.checkpoint_modules, self.run_dir)
             self._log(f"Initial weights from {cfg.checkpoint.init_from}.")
         if resume:
             self._resume(resume)
