@@ -31,13 +31,9 @@ from fourfold.infer.engine_config import EngineConfig
 from fourfold.infer.kv_pool import KVPool, block_bytes, blocks_for_budget, cuda_budget
 from fourfold.infer.model_runner import ModelRunner
 from fourfold.infer.requests import EngineStats, RequestOutput, SamplingParams
+from fourfold.infer.sampler import Sampler
 from fourfold.infer.scheduler import Scheduler
 from fourfold.infer.sequence import Sequence
-
-try:  # the device-side sampler (helper gpu); the placeholder until it is merged
-    from fourfold.infer.sampler import Sampler
-except ImportError:  # pragma: no cover
-    from fourfold.infer.placeholder_sampler import PlaceholderSampler as Sampler
 
 
 @dataclass

@@ -22,13 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fourfold.infer import attention_gpu
 from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.step_tensors import StepTensors
-
-try:  # the GPU kernel ships in its own module (helper gpu); CPU runs without it
-    from fourfold.infer.attention_gpu import paged_attention as gpu_paged_attention
-except ImportError:  # pragma: no cover - depends on the branch and the machine
-    gpu_paged_attention = None
 
 
 def _sequence_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -108,8 +104,8 @@ class PagedStep:
     def __init__(self, pool: KVPool, st: StepTensors, use_gpu_kernel: bool | None = None):
         self.pool, self.st = pool, st
         if use_gpu_kernel is None:
-            use_gpu_kernel = gpu_paged_attention is not None and st.tokens.is_cuda
-        self.kernel = gpu_paged_attention if use_gpu_kernel else None
+            use_gpu_kernel = attention_gpu.available() and st.tokens.is_cuda
+        self.kernel = attention_gpu.paged_attention if use_gpu_kernel else None
         self.plan = None if self.kernel is not None else CpuAttentionPlan(st, pool.block_size)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
