@@ -64,14 +64,17 @@ class LLMEngine:
     """Continuous-batching engine over one model replica (its tensor-parallel ranks run it in lockstep)."""
 
     def __init__(self, runner: ModelRunner, tokenizer, cfg: EngineConfig, max_model_len: int,
-                 eos_id: int | None = None, model_name: str = "fourfold", chat_template=None):
+                 eos_id: int | None = None, model_name: str = "fourfold", chat_template=None,
+                 sampling_seed: int | None = None):
         self.runner, self.tokenizer, self.cfg = runner, tokenizer, cfg
         self.max_model_len, self.model_name, self.chat_template = max_model_len, model_name, chat_template
         self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
         pool = runner.pool
         self.blocks = BlockManager(pool.num_blocks, pool.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len)
-        self.sampler = Sampler()
+        # Tensor-parallel ranks sample in lockstep: the same seed gives every rank the same draws.
+        generator = None if sampling_seed is None else torch.Generator(runner.device).manual_seed(sampling_seed)
+        self.sampler = Sampler(generator)
         self.requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
