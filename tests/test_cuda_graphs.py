@@ -9,7 +9,7 @@ import torch
 
 from fourfold.infer.cuda_graphs import DecodeGraphs, batch_sizes_up_to, bucket_for
 
-BLOCK_SIZE, NUM_BLOCKS, HEADS, DIM, VOCAB = 4, 12, 2, 8, 11
+BLOCK_SIZE, NUM_BLOCKS, HEADS, DIM, VOCAB = 4, 16, 2, 8, 11
 
 
 def test_buckets():
@@ -68,9 +68,11 @@ def test_padded_steps_match_the_unpadded_step_and_touch_only_scratch():
     graphs = DecodeGraphs(model.forward, max_batch=8, max_blocks=5, block_size=BLOCK_SIZE,
                           scratch_block=NUM_BLOCKS, device=torch.device("cpu"), batch_sizes=(1, 2, 4, 8))
     graphs.capture()  # nothing to capture on CPU
-    big = decode_step([9, 3, 5, 14, 2], [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10]], [1, 2, 3, 4, 5])
-    small = decode_step([10, 6, 7], [[0, 1, 2], [4, 5], [11, 3]], [7, 8, 9])
-    for st in (big, small):  # the second step reuses rows the first one filled
+    big = decode_step([9, 3, 5, 14, 2, 4, 6], [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10], [11], [12, 13]],
+                      [1, 2, 3, 4, 5, 6, 7])
+    small = decode_step([10, 6, 7, 3, 2], [[0, 1, 2], [4, 5], [11, 3], [14], [15]], [7, 8, 9, 10, 1])
+    one = decode_step([11], [[0, 1, 2]], [3])
+    for st in (big, small, one):  # the second step pads rows the first one filled (both in the 8 bucket)
         assert graphs.can_run(st)
         saved_k = model.k_pool.clone()
         expected = model.forward(*fields(st))
