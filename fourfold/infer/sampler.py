@@ -51,12 +51,16 @@ def row_seed(seed: int, step: int) -> int:
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                     output_ids: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Penalised float32 logits (a new tensor): repetition (HF), then frequency and presence (OpenAI)."""
-    logits = logits.float().clone()
+    """Float32 logits with repetition (HF), then frequency and presence (OpenAI) penalties applied.
+
+    The input is never modified: a new tensor when a row is penalised (or the input was not float32),
+    else the input itself.
+    """
     rows = [i for i, p in enumerate(params) if output_ids[i] and (
         p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)]
     if not rows:
-        return logits
+        return logits.float()
+    logits = logits.float().clone()
     device, vocab = logits.device, logits.shape[-1]
     longest = max(len(output_ids[i]) for i in rows)
     ids = torch.full((len(rows), longest), vocab, dtype=torch.long)  # index `vocab` is a dropped pad column
