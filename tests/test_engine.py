@@ -3,6 +3,9 @@ chunked prefill under a small token budget, a pool so small that sequences are p
 
 import pytest
 
+from fourfold.infer.cuda_graphs import DecodeGraphs
+from fourfold.infer.step_tensors import StepTensors
+
 from fourfold.errors import ConfigError
 from fourfold.infer.requests import SamplingParams
 from tests.engine_helpers import GREEDY, Twin, run_to_end
@@ -84,3 +87,13 @@ def test_requests_that_can_never_fit_are_refused(twin):
         engine.add_request("long", list(range(65)), GREEDY)
     with pytest.raises(ConfigError, match="empty prompt"):
         engine.add_request("empty", [], GREEDY)
+
+
+def test_decode_through_padded_graph_buffers_equals_hugging_face(twin):
+    """The CUDA-graph wrapper's padded static inputs (run eagerly on CPU) around the runner's decode_forward."""
+    engine = twin.engine()
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(lambda *t: runner.decode_forward(StepTensors(*t)), max_batch=8, max_blocks=16,
+                                 block_size=4, scratch_block=runner.pool.scratch_block, device="cpu",
+                                 batch_sizes=(2, 8))
+    check_against_hf(twin, engine, PROMPTS[:3])

@@ -90,6 +90,8 @@ class LLMEngine:
         kv_heads = kv_heads or model.cfg.n_kv_heads
         max_len = min(cfg.max_model_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
         runner = ModelRunner(model, pool_for(model, cfg, device, kv_heads, dtype), device)
+        if cfg.cuda_graphs:
+            runner.capture_decode_graphs(cfg.max_num_seqs, max_len)
         return cls(runner, tokenizer, cfg, max_len, **kwargs)
 
     # -- requests ---------------------------------------------------------------------------------

@@ -33,3 +33,5 @@ class EngineConfig:
     """Context length, prompt plus generated tokens; 0 takes the model's max_seq_len."""
     enable_prefix_caching: bool = setting(True)
     """Reuse the KV blocks of identical prompt prefixes (hashed full blocks, LRU eviction)."""
+    cuda_graphs: bool = setting(True)
+    """On CUDA (with Triton): replay decode steps from CUDA graphs captured at padded batch sizes."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fourfold.infer import attention_gpu
+from fourfold.infer.cuda_graphs import DecodeGraphs
 from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.paged_attention import PagedStep
 from fourfold.infer.scheduler import ScheduledChunk
@@ -33,6 +35,17 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, pool: KVPool, device: torch.device):
         self.model, self.pool, self.device = model, pool, device
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """On CUDA with the Triton kernel: capture decode steps of up to `max_batch` sequences (padded sizes)."""
+        if self.device.type != "cuda" or not attention_gpu.available():
+            return
+        bs = self.pool.block_size
+        self.graphs = DecodeGraphs(lambda *t: self.decode_forward(StepTensors(*t)), max_batch=max_batch,
+                                   max_blocks=-(-max_model_len // bs), block_size=bs,
+                                   scratch_block=self.pool.scratch_block, device=self.device)
+        self.graphs.capture()
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepTensors:
         """The step's tensors on the device, from each chunk's sequence state (before it advances)."""
@@ -66,5 +79,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, st: StepTensors) -> torch.Tensor:
-        """Logits of the sampling sequences in float32."""
+        """Logits of the sampling sequences in float32 (a captured graph replays decode-only steps)."""
+        if self.graphs is not None and self.graphs.can_run(st):
+            return self.graphs.run(st).float()
         return self.decode_forward(st).float()
