@@ -40,8 +40,10 @@ class CompletionResult:
 class LLM:
     """A model and an engine for offline generation."""
 
-    def __init__(self, model: str | Path | nn.Module, tokenizer=None, *, device: str | torch.device = "cpu",
+    def __init__(self, model: str | Path | nn.Module, tokenizer=None, *, device: str | torch.device = "auto",
                  dtype=None, config: EngineConfig | None = None, **config_fields):
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         config = config or EngineConfig(**config_fields)
         if isinstance(model, nn.Module):
