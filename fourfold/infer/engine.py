@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fourfold.errors import ConfigError
@@ -30,6 +31,7 @@ from fourfold.infer.detokenizer import IncrementalDetokenizer
 from fourfold.infer.engine_config import EngineConfig
 from fourfold.infer.kv_pool import KVPool, block_bytes, blocks_for_budget, cuda_budget
 from fourfold.infer.model_runner import ModelRunner
+from fourfold.infer.pipeline_runner import PipelineRunner
 from fourfold.infer.requests import EngineStats, RequestOutput, SamplingParams
 from fourfold.infer.sampler import Sampler
 from fourfold.infer.scheduler import Scheduler
@@ -45,15 +47,20 @@ class _Request:
 
 
 def pool_for(model: nn.Module, cfg: EngineConfig, device: torch.device, kv_heads: int, dtype: torch.dtype,
-             n_layers: int | None = None, first_layer: int = 0) -> KVPool:
-    """A KV pool for `model`'s layers (or `n_layers` of them from `first_layer`) sized by `cfg`."""
+             group: dist.ProcessGroup | None = None) -> KVPool:
+    """A KV pool for the blocks `model` holds, sized by `cfg`; ranks of `group` agree on the smallest size."""
     mcfg = model.cfg
-    n_layers = len(model.layers) if n_layers is None else n_layers
+    first_layer = min(int(name) for name in model.layers)
+    n_layers = len(model.layers)
     per_block = block_bytes(n_layers, cfg.block_size, kv_heads, mcfg.head_dim, dtype)
     num = cfg.num_kv_blocks
     if num == 0:
         budget = cuda_budget(device, cfg.gpu_memory_utilization) if device.type == "cuda" else cfg.kv_cache_bytes
         num = blocks_for_budget(budget, per_block)
+    if group is not None:  # ranks that step in lockstep must schedule over the same pool size
+        count = torch.tensor([num], device=device if dist.get_backend(group) == "nccl" else "cpu")
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
+        num = int(count.item())
     if num < 1:
         raise ConfigError(f"No room for a KV-cache block ({per_block} bytes): raise gpu_memory_utilization or "
                           "kv_cache_bytes, or set num_kv_blocks.")
@@ -82,14 +89,24 @@ class LLMEngine:
 
     @classmethod
     def from_model(cls, model: nn.Module, tokenizer, cfg: EngineConfig | None = None,
-                   device: torch.device | None = None, kv_heads: int | None = None, **kwargs) -> "LLMEngine":
-        """An engine for `model` (already on `device`, eval mode) with a KV pool sized by `cfg`."""
+                   device: torch.device | None = None, kv_heads: int | None = None,
+                   group: dist.ProcessGroup | None = None, pipeline_ranks: list[int] | None = None,
+                   **kwargs) -> "LLMEngine":
+        """An engine for `model` (already on `device`, eval mode) with a KV pool sized by `cfg`.
+
+        Tensor- or pipeline-parallel ranks pass `group` (all of them; the pool size is agreed over it) and,
+        for pipeline stages, `pipeline_ranks` (global ranks in stage order); give them one `sampling_seed`.
+        """
         cfg = cfg or EngineConfig()
         device = device or next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         kv_heads = kv_heads or model.cfg.n_kv_heads
         max_len = min(cfg.max_model_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
-        runner = ModelRunner(model, pool_for(model, cfg, device, kv_heads, dtype), device)
+        pool = pool_for(model, cfg, device, kv_heads, dtype, group)
+        if pipeline_ranks is not None:
+            runner = PipelineRunner(model, pool, device, pipeline_ranks)
+        else:
+            runner = ModelRunner(model, pool, device)
         if cfg.cuda_graphs:
             runner.capture_decode_graphs(cfg.max_num_seqs, max_len)
         return cls(runner, tokenizer, cfg, max_len, **kwargs)

@@ -27,6 +27,7 @@ from fourfold.checkpoint.store import checkpoint_at, load_checkpoint, read_meta
 from fourfold.config import Config, build_config
 from fourfold.errors import CheckpointError, ConfigError
 from fourfold.models.llama import Llama
+from fourfold.parallel.pipeline.split import split_pipeline, stage_layers
 from fourfold.parallel.tensor import apply_tensor_parallel
 from fourfold.tokenizer import load_tokenizer
 
@@ -46,6 +47,8 @@ class LoadedModel:
     config: Config | None = None
     kv_heads: int = 0
     """KV heads this rank's cache holds (all of them without tensor parallel)."""
+    layers: range | None = None
+    """Indices of the blocks this rank holds (all of them without pipeline parallel)."""
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -77,8 +80,9 @@ def _chat_template(ckpt: Path) -> ChatTemplate:
 
 
 def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype | None = None,
-               tp_mesh: DeviceMesh | None = None) -> LoadedModel:
-    """The model at `path` on `device` in `dtype`, eval mode, sharded over `tp_mesh` when given."""
+               tp_mesh: DeviceMesh | None = None, pp: tuple[int, int] | None = None) -> LoadedModel:
+    """The model at `path` on `device` in `dtype`, eval mode, sharded over `tp_mesh` when given;
+    with `pp` = (stage, stages) only that pipeline stage's chunk."""
     dtype = parse_dtype(dtype, device)
     ckpt = find_checkpoint(path)
     saved = read_meta(ckpt).get("config")
@@ -88,12 +92,17 @@ def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype 
     cfg = build_config({k: v for k, v in saved.items() if k != "parallel"})
     with torch.device("meta"):
         model = Llama(cfg.model)
+    layers = range(cfg.model.n_layers)
+    if pp is not None:
+        model = split_pipeline(model, pp[0], pp[1])[0]
+        layers = stage_layers(cfg.model.n_layers, pp[1], 1, pp[0])
     tp = 1
     if tp_mesh is not None:
         tp = tp_mesh.size()
         apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
     model.to_empty(device=device)
-    if cfg.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
+    tied = cfg.model.tie_embeddings and model.output is not None and model.tok_embeddings is not None
+    if tied and model.output.weight is not model.tok_embeddings.weight:
         model.output.weight = model.tok_embeddings.weight
     model.init_weights(0)  # rotary tables (and values the checkpoint overwrites)
     load_checkpoint(ckpt, model, None)
@@ -102,4 +111,4 @@ def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     name = Path(path).resolve().name
     return LoadedModel(model, tokenizer, name, _chat_template(ckpt), getattr(tokenizer, "eos_id", None), cfg,
-                       cfg.model.n_kv_heads // tp)
+                       cfg.model.n_kv_heads // tp, layers)
