@@ -97,3 +97,19 @@ def test_decode_through_padded_graph_buffers_equals_hugging_face(twin):
                                  block_size=4, scratch_block=runner.pool.scratch_block, device="cpu",
                                  batch_sizes=(2, 8))
     check_against_hf(twin, engine, PROMPTS[:3])
+
+
+def test_blocks_are_all_free_after_finished_aborted_and_preempted_requests(twin):
+    engine = twin.engine(num_kv_blocks=8, max_num_batched_tokens=5)
+    for i, p in enumerate(PROMPTS * 2):
+        engine.add_request(str(i), p, GREEDY)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 3:
+            engine.abort_request("1")  # running
+            engine.abort_request("7")  # still waiting
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.running == stats.waiting == 0
+    assert all(r == 0 for r in engine.blocks.ref_counts) and engine.blocks.num_free == 8
