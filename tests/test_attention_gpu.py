@@ -120,3 +120,11 @@ def test_split_count_from_shapes_only():
     assert count == 20 // 8 + 1 + 2
     real = [(s, f) for s, f in zip(seq.tolist(), first.tolist()) if f < (starts[s + 1] - starts[s])]
     assert real == [(0, 0), (1, 0), (1, 8), (1, 16)]
+
+
+def test_tiles_recomputed_when_query_start_changes_in_place():
+    # Layers of one step share the tiles of one query_start tensor; an in-place change must not reuse them.
+    args = list(make_case([2, 0, 1], [20, 9, 5]))  # 3 queries of 3 sequences: one-token tiles
+    check(tuple(args))
+    args[5][1:3] = torch.tensor([1, 2], dtype=torch.int32)  # now one query each
+    check(tuple(args))
