@@ -16,8 +16,8 @@ def make(num_blocks=64, block_size=4, max_seqs=8, budget=8, max_len=256):
 
 
 def add(sched, i, prompt_len, max_tokens=8):
-    s = Sequence(f"r{i}", list(range(100 + i * 1000, 100 + i * 1000 + prompt_len)), SamplingParams(max_tokens=max_tokens),
-                 i)
+    first = 100 + i * 1000
+    s = Sequence(f"r{i}", list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens), i)
     sched.add(s)
     return s
 

@@ -46,7 +46,7 @@ class IncrementalDetokenizer:
         return False
 
     def flush(self) -> None:
-        """At the end: add the text of tokens still waiting for the rest of a character (unless a stop string cut it)."""
+        """At the end: add the text of tokens still waiting for a character's last byte (unless a stop string cut it)."""
         if self.stopped or self.read == len(self.ids):
             return
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
