@@ -26,6 +26,7 @@ from fourfold.chat import ChatTemplate
 from fourfold.checkpoint.store import checkpoint_at, load_checkpoint, read_meta
 from fourfold.config import Config, build_config
 from fourfold.errors import CheckpointError, ConfigError
+from fourfold.infer.cpu_linear import pack_cpu_linears
 from fourfold.models.llama import Llama
 from fourfold.parallel.pipeline.split import split_pipeline, stage_layers
 from fourfold.parallel.tensor import apply_tensor_parallel
@@ -80,9 +81,11 @@ def _chat_template(ckpt: Path) -> ChatTemplate:
 
 
 def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype | None = None,
-               tp_mesh: DeviceMesh | None = None, pp: tuple[int, int] | None = None) -> LoadedModel:
+               tp_mesh: DeviceMesh | None = None, pp: tuple[int, int] | None = None,
+               pack_cpu: bool = True) -> LoadedModel:
     """The model at `path` on `device` in `dtype`, eval mode, sharded over `tp_mesh` when given;
-    with `pp` = (stage, stages) only that pipeline stage's chunk."""
+    with `pp` = (stage, stages) only that pipeline stage's chunk. `pack_cpu`: bf16 linears on the CPU
+    run on weights packed once for oneDNN (fourfold.infer.cpu_linear; the model is then inference-only)."""
     dtype = parse_dtype(dtype, device)
     ckpt = find_checkpoint(path)
     saved = read_meta(ckpt).get("config")
@@ -108,6 +111,8 @@ def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype 
     load_checkpoint(ckpt, model, None)
     model = model.to(dtype).eval()
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    if pack_cpu and device.type == "cpu" and tp_mesh is None:
+        pack_cpu_linears(model)  # bf16 only; a no-op for other dtypes
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     name = Path(path).resolve().name
     return LoadedModel(model, tokenizer, name, _chat_template(ckpt), getattr(tokenizer, "eos_id", None), cfg,
