@@ -1,6 +1,7 @@
 """Paged attention: the torch reference equals causal attention over each sequence's contiguous keys, and the
 CPU step path (one plan per step, batched decodes) equals the reference on a mixed decode + prefill step."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -54,8 +55,9 @@ def test_reference_equals_dense_causal_attention():
     torch.testing.assert_close(got, dense_attention(q, dense, NEW), rtol=1e-12, atol=1e-12)
 
 
-def test_cpu_plan_equals_reference():
-    q, kc, vc, tables, lens, starts, _ = scattered_sequences(LENGTHS, NEW)
+@pytest.mark.parametrize("lengths, new", [(LENGTHS, NEW), ([9, 1, 13], [1, 1, 1])], ids=["mixed", "decodes"])
+def test_cpu_plan_equals_reference(lengths, new):
+    q, kc, vc, tables, lens, starts, _ = scattered_sequences(lengths, new)
     st = StepTensors(torch.zeros(len(q), dtype=torch.long), torch.zeros(len(q), dtype=torch.long),
                      torch.zeros(len(q), dtype=torch.long), tables, lens, starts, torch.zeros(0, dtype=torch.long))
     plan = CpuAttentionPlan(st, BS)

@@ -83,12 +83,12 @@ class BlockManager:
         """Register the hashes of `seq`'s blocks that became full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        tokens, bs = seq.token_ids, self.block_size
+        bs = self.block_size
         full = min(seq.num_computed // bs, len(seq.block_table))
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self.chain_hash(parent, tokens[i * bs:(i + 1) * bs])
+            h = self.chain_hash(parent, seq.tokens_between(i * bs, (i + 1) * bs))
             block = seq.block_table[i]
             if h not in self.hash_to_block and block not in self.block_hash:
                 self.hash_to_block[h] = block

@@ -52,20 +52,20 @@ class ModelRunner:
         bs, scratch = self.pool.block_size, self.pool.scratch_block
         tokens, positions, slots, lens, starts, sample_at = [], [], [], [], [0], []
         max_blocks = max(len(c.seq.block_table) for c in chunks)
-        tables = torch.full((len(chunks), max_blocks), scratch, dtype=torch.int32)
-        for i, c in enumerate(chunks):
+        tables = []
+        for c in chunks:
             seq, a = c.seq, c.seq.num_computed
             b = a + c.num_tokens
-            tokens += seq.token_ids[a:b]
+            tokens += seq.tokens_between(a, b)
             table = seq.block_table
-            for p in range(a, b):
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            positions += range(a, b)
+            slots += [table[p // bs] * bs + p % bs for p in range(a, b)]
+            tables.append(table + [scratch] * (max_blocks - len(table)))
             lens.append(b)
             starts.append(starts[-1] + c.num_tokens)
             if c.samples:
                 sample_at.append(starts[-1] - 1)
+        tables = torch.tensor(tables, dtype=torch.int32)
         st = StepTensors(torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                          torch.tensor(slots, dtype=torch.long), tables,
                          torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),

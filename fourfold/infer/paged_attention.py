@@ -65,11 +65,12 @@ class CpuAttentionPlan:
         starts, lens = st.query_start.tolist(), st.seq_lens.tolist()
         decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
         self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long)
+        self.all_decode = len(decode) == len(lens) == starts[-1]  # q rows are the decode rows, in order
         if decode:
             longest = max(lens[i] for i in decode)
             pos = torch.arange(longest)
-            tables = st.block_tables[decode].long()
-            blocks = tables.gather(1, (pos // block_size).expand(len(decode), -1).clamp(max=tables.shape[1] - 1))
+            rows = torch.tensor(decode) if len(decode) < len(lens) else slice(None)
+            blocks = st.block_tables[rows][:, pos // block_size].long()  # the longest fits the table's width
             self.decode_slots = blocks * block_size + pos % block_size  # (S_dec, L_max)
             self.decode_mask = (pos[None, :] < torch.tensor([lens[i] for i in decode])[:, None])[:, None, None]
         self.prefills = []
@@ -83,8 +84,12 @@ class CpuAttentionPlan:
 
     def attend(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention (T, hq, d) of q over the pool's flat (slots, hkv, d) keys and values."""
-        out = torch.empty_like(q)
         gqa = flat_k.shape[1] != q.shape[1]
+        if self.all_decode:
+            keys, values = flat_k[self.decode_slots].transpose(1, 2), flat_v[self.decode_slots].transpose(1, 2)
+            return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=self.decode_mask, scale=scale,
+                                                  enable_gqa=gqa)[:, :, 0]
+        out = torch.empty_like(q)
         if len(self.decode_rows):
             keys = flat_k[self.decode_slots].transpose(1, 2)  # (S_dec, hkv, L, d)
             values = flat_v[self.decode_slots].transpose(1, 2)

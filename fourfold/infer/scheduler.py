@@ -97,12 +97,14 @@ class Scheduler:
             while not self.blocks.grow(seq, seq.num_computed + n):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(victim)
-                chunks = [c for c in chunks if c.seq is not victim]
+                for c in [c for c in chunks if c.seq is victim]:
+                    chunks.remove(c)
+                    budget += c.num_tokens
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 chunks.append(ScheduledChunk(seq, n))
-            budget = self.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:

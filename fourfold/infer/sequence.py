@@ -49,6 +49,15 @@ class Sequence:
         """Prompt then generated tokens."""
         return self.prompt_ids + self.output_ids
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
