@@ -74,10 +74,13 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent = h
         matched = len(seq.block_table) * bs
-        self.queries += len(seq.prompt_ids)
-        self.hits += min(matched, len(seq.prompt_ids))
         seq.num_computed = matched
         return matched
+
+    def count_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """Add one admitted request's prompt lookup to the hit-rate counters."""
+        self.queries += prompt_tokens
+        self.hits += hit_tokens
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of `seq`'s blocks that became full of computed tokens."""

@@ -107,14 +107,14 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
-                hit = self.blocks.match_prefix(seq)
-                if not seq.scheduled_once:
-                    seq.cached_prompt_tokens = min(hit, len(seq.prompt_ids))
+            hit = self.blocks.match_prefix(seq) if not seq.block_table else seq.num_computed
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.grow(seq, seq.num_computed + n):
                 self.blocks.release(seq)  # hand prefix hits back; the head of the queue waits
                 break
+            if not seq.scheduled_once:  # hit-rate counts first admissions, not retries or recomputations
+                seq.cached_prompt_tokens = min(hit, len(seq.prompt_ids))
+                self.blocks.count_lookup(len(seq.prompt_ids), seq.cached_prompt_tokens)
             self.waiting.popleft()
             seq.status, seq.scheduled_once = SequenceStatus.RUNNING, True
             self.running.append(seq)
