@@ -33,7 +33,35 @@ def _parser() -> ArgumentParser:
     p.add_argument("--max-requests", type=int, default=256, help="requests in flight before 429 (at least 1)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may run (> 0)")
     p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024, help="largest request body accepted")
+    engine = p.add_argument_group("engine (see fourfold.infer.engine_config.EngineConfig)")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per engine step (decodes first, then prefill chunks)")
+    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="fraction of GPU memory for the model and KV cache")
+    engine.add_argument("--kv-cache-bytes", type=int, default=None, help="KV-cache size on CPU")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     return p
+
+
+def engine_config(a):
+    """The EngineConfig the flags ask for (unset flags keep the engine's defaults); ranges checked."""
+    from dataclasses import fields
+
+    from fourfold.infer.engine_config import EngineConfig
+
+    flags = {"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+             "block_size": a.block_size, "gpu_memory_utilization": a.gpu_memory_utilization,
+             "kv_cache_bytes": a.kv_cache_bytes}
+    cfg = EngineConfig(**{k: v for k, v in flags.items() if v is not None},
+                       enable_prefix_caching=not a.no_prefix_caching)
+    for f in fields(cfg):
+        rng, value = f.metadata.get("range"), getattr(cfg, f.name)
+        if rng is not None and not rng.accepts(value):
+            flag = "--" + f.name.replace("_", "-")
+            raise ConfigError(f"{flag} {value} is out of range; set it to a value {rng.text()}.")
+    return cfg
 
 
 def _check(a) -> None:
@@ -57,7 +85,7 @@ def main(argv: list[str], console: Console) -> int:
         raise ConfigError(f"fourfold serve needs the serve extra ({e}); run `pip install -e '.[serve]'`.") from None
     from fourfold.serve.engine_setup import open_engine
 
-    engine = open_engine(a.model, device=a.device, dtype=a.dtype, tp=a.tp)
+    engine = open_engine(a.model, device=a.device, dtype=a.dtype, tp=a.tp, config=engine_config(a))
     name = a.served_model_name or Path(a.model).resolve().name
     app = build_app(engine, ServeSettings(model_name=name, api_key=a.api_key, max_requests_in_flight=a.max_requests,
                                           request_timeout_s=a.request_timeout, max_body_bytes=a.max_body_bytes))

@@ -25,6 +25,21 @@ from fourfold.serve.protocol import ChatCompletionRequest, CompletionRequest, Sa
 from fourfold.serve.streams import Admission, Slot, merged_outputs
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A streamed response that closes its body generator however the response ends.
+
+    When the client disconnects, Starlette stops iterating the body while the generator sits at a
+    `yield`; closing it here runs its `finally` blocks at once (aborting the engine requests and freeing
+    the admission slot) instead of whenever the garbage collector finds it.
+    """
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 @dataclass
 class Prepared:
     """A validated request ready for the engine."""
@@ -93,8 +108,8 @@ class Generation:
         if prep.stream:
             body = self._stream(prep, endpoint, slot)
             weakref.finalize(body, slot.release)  # also when the stream is dropped before it starts
-            return StreamingResponse(body, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return ClosingStreamingResponse(body, media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             return JSONResponse(await self._whole(prep, request, endpoint, slot))
         finally:

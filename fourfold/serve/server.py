@@ -18,9 +18,19 @@ def uvicorn_config(app, host: str, port: int, graceful_s: float, log_level: str 
                           access_log=False, lifespan="on")
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, except that a signal it shut down on gracefully ends the process with exit code 0
+    (uvicorn re-raises it, which reads as "killed by SIGTERM"); a second signal forces the exit."""
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+
 def serve_forever(app, host: str, port: int, graceful_s: float = 30.0) -> None:
-    """Serve until SIGTERM/SIGINT (uvicorn installs the handlers)."""
-    uvicorn.Server(uvicorn_config(app, host, port, graceful_s)).run()
+    """Serve until SIGTERM/SIGINT, then give in-flight requests `graceful_s` seconds."""
+    GracefulServer(uvicorn_config(app, host, port, graceful_s)).run()
 
 
 class BackgroundServer:
@@ -28,7 +38,6 @@ class BackgroundServer:
 
     def __init__(self, app, graceful_s: float = 5.0):
         self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, graceful_s, log_level="warning"))
-        self.server.install_signal_handlers = lambda: None  # signals belong to the main thread
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
