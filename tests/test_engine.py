@@ -39,6 +39,11 @@ def test_chunked_prefill_with_a_small_budget_equals_hugging_face(twin):
     check_against_hf(twin, engine, PROMPTS)
 
 
+def test_prefill_first_scheduling_equals_hugging_face(twin):
+    engine = twin.engine(max_num_batched_tokens=3, enable_chunked_prefill=False)
+    check_against_hf(twin, engine, PROMPTS)
+
+
 def test_preempted_run_equals_hugging_face(twin):
     engine = twin.engine(num_kv_blocks=8)  # 4 requests of up to 21 tokens (6 blocks) cannot all stay
     check_against_hf(twin, engine, PROMPTS)

@@ -95,3 +95,16 @@ def test_requests_that_never_fit_are_refused():
         add(sched, 0, 10, max_tokens=6)
     with pytest.raises(ConfigError, match="max_model_len"):
         add(sched, 1, 33)
+
+
+def test_without_chunked_prefill_whole_prompts_run_in_steps_of_their_own():
+    sched = Scheduler(BlockManager(64, 4), 8, 6, 256, chunked_prefill=False)
+    decoders = [add(sched, i, 3, max_tokens=40) for i in range(2)]
+    fake_step(sched)
+    assert all(d.output_ids for d in decoders)
+    long = add(sched, 9, 50)  # longer than the token budget: still prefilled whole, in one step
+    chunks = fake_step(sched)
+    assert [(c.seq, c.num_tokens) for c in chunks] == [(long, 50)]  # the decodes stall for that step
+    chunks = fake_step(sched)
+    assert sorted(c.seq.request_id for c in chunks) == sorted(s.request_id for s in [*decoders, long])
+    assert all(c.num_tokens == 1 for c in chunks)

@@ -42,6 +42,8 @@ def _parser() -> ArgumentParser:
                         help="fraction of GPU memory for the model and KV cache")
     engine.add_argument("--kv-cache-bytes", type=int, default=None, help="KV-cache size on CPU")
     engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    engine.add_argument("--no-chunked-prefill", action="store_true",
+                        help="prefill whole prompts in steps of their own (the classic baseline)")
     return p
 
 
@@ -55,7 +57,8 @@ def engine_config(a):
              "block_size": a.block_size, "gpu_memory_utilization": a.gpu_memory_utilization,
              "kv_cache_bytes": a.kv_cache_bytes}
     cfg = EngineConfig(**{k: v for k, v in flags.items() if v is not None},
-                       enable_prefix_caching=not a.no_prefix_caching)
+                       enable_prefix_caching=not a.no_prefix_caching,
+                       enable_chunked_prefill=not a.no_chunked_prefill)
     for f in fields(cfg):
         rng, value = f.metadata.get("range"), getattr(cfg, f.name)
         if rng is not None and not rng.accepts(value):

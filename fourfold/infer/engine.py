@@ -78,7 +78,8 @@ class LLMEngine:
         self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
         pool = runner.pool
         self.blocks = BlockManager(pool.num_blocks, pool.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len,
+                                   cfg.enable_chunked_prefill)
         # Tensor-parallel ranks sample in lockstep: the same seed gives every rank the same draws.
         generator = None if sampling_seed is None else torch.Generator(runner.device).manual_seed(sampling_seed)
         self.sampler = Sampler(generator)

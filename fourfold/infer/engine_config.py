@@ -33,5 +33,8 @@ class EngineConfig:
     """Context length, prompt plus generated tokens; 0 takes the model's max_seq_len."""
     enable_prefix_caching: bool = setting(True)
     """Reuse the KV blocks of identical prompt prefixes (hashed full blocks, LRU eviction)."""
+    enable_chunked_prefill: bool = setting(True)
+    """Split prompts into chunks that share steps with running decodes (Sarathi-Serve); off: prefill-first
+    scheduling, whole prompts in steps of their own (the classic baseline)."""
     cuda_graphs: bool = setting(True)
     """On CUDA (with Triton): replay decode steps from CUDA graphs captured at padded batch sizes."""

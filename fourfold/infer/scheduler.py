@@ -11,6 +11,11 @@ queue and is prefilled again later, prompt and generated tokens together). Waiti
 admitted strictly first come, first served: when the oldest cannot get its blocks, nobody behind it
 jumps the queue. At most `max_num_seqs` sequences run at once. A request that could not fit even with
 the whole pool to itself is refused when it is added (`check_fits`); one that fits later just waits.
+
+With `chunked_prefill=False` the scheduler behaves like the classic prefill-first one (vLLM before
+chunked prefill, Orca-style): a step either prefills whole prompts of waiting requests (as many as fit in
+max(max_num_batched_tokens, max_model_len) tokens), stalling every running decode for that step, or, when
+nothing waits, decodes every running sequence. It is the baseline the serving benchmark compares against.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ class ScheduledChunk:
 class Scheduler:
     """FCFS continuous batching over a BlockManager; `schedule()` once per engine step."""
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
-        self.blocks = blocks
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 chunked_prefill: bool = True):
+        self.blocks, self.chunked_prefill = blocks, chunked_prefill
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -86,9 +92,18 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks: decodes first, then running prefills, then new prefills, within the budget."""
-        budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        # Decodes (one token each) before prefill chunks, oldest first.
+        if not self.chunked_prefill:  # prefill-first: whole prompts while any wait, else every decode
+            self._admit(max(self.max_num_batched_tokens, self.max_model_len), chunks, whole=True)
+            if not chunks:
+                self._run_running(self.max_num_seqs, chunks)
+            return chunks
+        budget = self._run_running(self.max_num_batched_tokens, chunks)
+        self._admit(budget, chunks, whole=False)
+        return chunks
+
+    def _run_running(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Schedule running sequences (decodes before unfinished prefills, oldest first); the budget left."""
         ordered = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.arrival))
         for seq in ordered:
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
@@ -105,8 +120,14 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 chunks.append(ScheduledChunk(seq, n))
                 budget -= n
+        return budget
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], whole: bool) -> None:
+        """Start waiting requests in arrival order within `budget` (whole prompts only when `whole`)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if whole and seq.num_uncomputed > budget:
+                break
             hit = self.blocks.match_prefix(seq) if not seq.block_table else seq.num_computed
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.grow(seq, seq.num_computed + n):
@@ -120,7 +141,6 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
-        return chunks
 
     def after_step(self, chunks: list[ScheduledChunk]) -> None:
         """Advance every scheduled sequence past its chunk and register blocks that became full."""
