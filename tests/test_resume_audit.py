@@ -122,6 +122,15 @@ def test_resume_target_rules(tmp_path, reference):
     assert resume_target("some/ckpt", tmp_path, attempt=1) == "some/ckpt"
 
 
+def test_training_draws_nothing_from_the_global_random_generator(tmp_path):
+    """Why a checkpoint need not hold the RNG state: steps use none (no dropout; the sampler has its own
+    seeded generator), so a resumed run's draws cannot differ from an uninterrupted one's."""
+    trainer = Trainer(_cfg(tmp_path, **{"train.steps": 3}), tmp_path / "rng")
+    before = torch.get_rng_state()
+    trainer.run()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 # ----- metrics.jsonl: one history ----------------------------------------------------------------
 
 def test_resumed_run_logs_each_step_once(reference):
@@ -168,7 +177,7 @@ def test_nan_step_is_skipped_and_counted(tmp_path):
 
 def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path, capsys):
     overrides = {"fault.nan_at_step": 2, "fault.nan_steps": 5, "train.max_bad_steps": 3}
-    with pytest.raises(TrainingError, match=r"Step 4 is the 3th step in a row.*train.max_bad_steps 3"):
+    with pytest.raises(TrainingError, match=r"3 steps in a row, up to step 4, had a NaN.*train.max_bad_steps 3"):
         train(_cfg(tmp_path, **overrides), tmp_path / "diverged")
     config = tmp_path / "cfg.toml"
     config.write_text(to_toml(_cfg(tmp_path, **overrides)))

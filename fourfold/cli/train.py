@@ -27,8 +27,8 @@ def _train_parser() -> ArgumentParser:
     p.add_argument("--out", help="run directory (default runs/<timestamp>)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from the latest checkpoint in --out, or from the given checkpoint directory")
-    p.add_argument("--nproc", type=int, default=None, help="start N local processes with torchrun (gloo or NCCL)")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="start N local processes with torchrun (gloo or NCCL)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="with --nproc: restart the job up to K times when a rank dies, resuming from the newest "
                         "checkpoint in --out")
     p.add_argument("--sample", default="def ",

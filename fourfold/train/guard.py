@@ -67,7 +67,7 @@ class StepGuard:
         self.bad_in_a_row += 1
         if self.max_bad_steps and self.bad_in_a_row >= self.max_bad_steps:
             raise TrainingError(
-                f"Step {step} is the {self.bad_in_a_row}th step in a row whose loss or gradients are NaN or infinite "
+                f"{self.bad_in_a_row} steps in a row, up to step {step}, had a NaN or infinite loss or gradient norm "
                 f"(train.max_bad_steps {self.max_bad_steps}); every one was skipped, so the weights are those "
                 "before the first of them. Lower optim.lr or raise optim.warmup_steps, check the data at these "
                 "steps, use compute.precision bf16 instead of fp16, or raise train.max_bad_steps (0 never stops).")
