@@ -189,6 +189,11 @@ def test_too_many_bad_steps_in_a_row_stop_the_run(tmp_path, capsys):
     train(_cfg(tmp_path, **{**overrides, "fault.nan_steps": 2}), tmp_path / "recovers")
 
 
+def test_fault_rank_outside_the_job_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="fault.kill_rank 1 is not a rank of this 1-process job"):
+        Trainer(_cfg(tmp_path, **{"fault.kill_at_step": 2, "fault.kill_rank": 1}), tmp_path / "run")
+
+
 def test_guard_counts_and_restores():
     guard = StepGuard(max_bad_steps=0, device=torch.device("cpu"))
     finite, nan = torch.tensor(1.0), torch.tensor(float("nan"))

@@ -20,12 +20,17 @@ import torch
 from torch import nn
 
 from fourfold.config import FaultConfig
+from fourfold.errors import ConfigError
 
 
 class FaultInjector:
     """Carries out `[fault]`'s injected faults on this rank; does nothing when none is set or after a restart."""
 
-    def __init__(self, cfg: FaultConfig, rank: int, attempt: int):
+    def __init__(self, cfg: FaultConfig, rank: int, world_size: int, attempt: int):
+        for key, step, target in (("kill", cfg.kill_at_step, cfg.kill_rank), ("nan", cfg.nan_at_step, cfg.nan_rank)):
+            if step and target >= world_size:
+                raise ConfigError(f"fault.{key}_rank {target} is not a rank of this {world_size}-process job; set "
+                                  f"--fault.{key}_rank between 0 and {world_size - 1}.")
         self.cfg, self.rank = cfg, rank
         self.active = attempt == 0
         self.step = 0

@@ -153,7 +153,7 @@ class Trainer:
     def _setup_faults(self) -> None:
         self.attempt = restart_count()
         self.guard = StepGuard(self.cfg.train.max_bad_steps, self.device, self.cfg.fault.checkpoint_on_sigterm)
-        self.faults = FaultInjector(self.cfg.fault, self.env.rank, self.attempt)
+        self.faults = FaultInjector(self.cfg.fault, self.env.rank, self.env.world_size, self.attempt)
         self.faults.attach(self.runner.chunks)
         self.finished = False
 
