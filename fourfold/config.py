@@ -148,6 +148,9 @@ class TrainConfig:
     """Steps between validation passes; 0 disables."""
     val_batches: int = setting(4, ge=0)
     """Micro-batches per validation pass."""
+    max_bad_steps: int = setting(20, ge=0)
+    """Stop after this many skipped steps in a row (a step whose loss or gradient norm is NaN/inf is skipped on
+    every rank); 0 never stops. fp16's loss scaler skips a few steps while it backs off, so keep it above ~16."""
 
 
 @dataclass
@@ -253,6 +256,31 @@ class LogConfig:
 
 
 @dataclass
+class FaultConfig:
+    """The [fault] section: process-group timeout, checkpoint on SIGTERM, and fault injection for tests and demos.
+
+    Injected faults fire only on a job's first attempt (torchrun's TORCHELASTIC_RESTART_COUNT 0), so a job
+    launched with --max-restarts recovers from them; see fourfold/train/faults.py.
+    """
+
+    timeout_s: float = setting(1800.0, gt=0)
+    """Seconds a collective (or the start-up rendezvous) may wait for another rank before the job fails; it
+    must cover the slowest step and start-up phase (tokenizing, loading a checkpoint, compiling)."""
+    checkpoint_on_sigterm: bool = True
+    """On SIGTERM (a preemption, torchrun shutting down), finish the current step, save a checkpoint, exit 143."""
+    kill_at_step: int = setting(0, ge=0)
+    """Fault injection: kill rank `kill_rank` with SIGKILL as step N starts (0: never)."""
+    kill_rank: int = setting(0, ge=0)
+    """Fault injection: the rank `kill_at_step` kills."""
+    nan_at_step: int = setting(0, ge=0)
+    """Fault injection: make rank `nan_rank`'s loss NaN at step N (0: never), to exercise step skipping."""
+    nan_steps: int = setting(1, ge=1)
+    """Fault injection: how many steps in a row, from `nan_at_step`, get a NaN loss."""
+    nan_rank: int = setting(0, ge=0)
+    """Fault injection: the rank whose loss `nan_at_step` poisons."""
+
+
+@dataclass
 class Config:
     """A whole run's configuration, one dataclass per section."""
 
@@ -265,6 +293,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict:
         """The config as nested plain dicts, one per section."""

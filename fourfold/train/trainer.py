@@ -28,7 +28,7 @@ from fourfold.checkpoint.resume import check_data_position, data_signature, resu
 from fourfold.checkpoint.store import save_checkpoint
 from fourfold.config import Config
 from fourfold.config_text import to_toml
-from fourfold.distributed import DistEnv, init_distributed, world_from_env
+from fourfold.distributed import DistEnv, init_distributed, restart_count, world_from_env
 from fourfold.hardware import peak_flops, peak_memory_bytes, reset_peak_memory
 from fourfold.layout import grad_accumulation_steps, validate_layout
 from fourfold.mesh import ParallelMesh
@@ -39,7 +39,10 @@ from fourfold.parallel.data_parallel import build_data_parallel
 from fourfold.plan.memory import MEASURED_KEYS, estimate_memory
 from fourfold.plan.recompute_cost import recompute_summary, without_recompute
 from fourfold.train.dataset import build_data
+from fourfold.train.faults import FaultInjector
+from fourfold.train.guard import StepGuard
 from fourfold.train.metrics import MetricsWriter, TrainProgress
+from fourfold.train.restart import resume_target, restart_message, work_left
 from fourfold.train.runner import StepResult, StepRunner, build_runner
 from fourfold.units import format_bytes
 
@@ -55,6 +58,8 @@ class TrainSummary:
     val_loss: float | None = None
     tokens_per_s: float | None = None
     losses: list[float] = field(default_factory=list)
+    stopped_by: int | None = None
+    """The signal (SIGTERM) that stopped the run early after a checkpoint, else None."""
 
 
 def default_run_dir() -> Path:
@@ -75,7 +80,7 @@ class Trainer:
         self.cfg = cfg
         # The layout is checked against the world size before any process group exists.
         validate_layout(cfg, world_from_env()[1])
-        self.env: DistEnv = init_distributed(cfg.compute.device)
+        self.env: DistEnv = init_distributed(cfg.compute.device, cfg.fault.timeout_s)
         self.console = console or Console()
         self.is_main = self.env.is_main
         self.mesh = ParallelMesh.build(cfg, self.env.world_size, self.env.rank, self.env.device.type)
@@ -91,9 +96,13 @@ class Trainer:
         if cfg.checkpoint.init_from:
             load_init_weights(cfg.checkpoint.init_from, self.runner.checkpoint_modules, self.run_dir)
             self._log(f"Initial weights from {cfg.checkpoint.init_from}.")
+        self._setup_faults()
+        resume = resume_target(resume, self.run_dir, self.attempt)  # a torchrun restart resumes on its own
         if resume:
             self._resume(resume)
-        self.metrics = MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console) if self.is_main else None
+        self._check_work_left(resume)
+        self.metrics = (MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console, start_step=self.step)
+                        if self.is_main else None)
 
     # ----- set-up -------------------------------------------------------------------------------
     def _setup_run_dir(self) -> None:
@@ -138,6 +147,24 @@ class Trainer:
         if self.scaler is not None and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])
         self._log(f"Resumed from {path} at step {self.step}.")
+        self.guard.load_state_dict(meta.get("guard", {}))  # skip counters (fourfold/train/guard.py)
+
+    # ----- faults, restarts, skipped steps (fourfold/train/{faults,guard,restart}.py) -------------
+    def _setup_faults(self) -> None:
+        self.attempt = restart_count()
+        self.guard = StepGuard(self.cfg.train.max_bad_steps, self.device, self.cfg.fault.checkpoint_on_sigterm)
+        self.faults = FaultInjector(self.cfg.fault, self.env.rank, self.env.world_size, self.attempt)
+        self.faults.attach(self.runner.chunks)
+        self.finished = False
+
+    def _check_work_left(self, resume: bool | str) -> None:
+        message = restart_message(self.attempt, resume, self.step)
+        if message:
+            self._log(message)
+        if self.loaded_from is not None:
+            self.finished = not work_left(self.step, self.cfg.train.steps, self.attempt > 0, str(self.loaded_from))
+            if self.finished:
+                self._log(f"The run already reached train.steps ({self.step}); nothing left to do.")
 
     # ----- helpers ------------------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -159,11 +186,16 @@ class Trainer:
         set_lr(self.optimizer, lr_at(self.step, cfg.optim, cfg.train.steps))
         if micro is None:
             micro = self.train_batches.next_step()
+        self.faults.before_step(self.step + 1)
         result = self.runner.step(micro)
-        if not result.skipped:
+        skipped = self.guard.check(result.loss, result.grad_norm, result.skipped, self.step + 1)
+        if not skipped:
             self.optimizer.step()
+        else:
+            self._log(f"[yellow]step {self.step + 1}: loss or gradients not finite; optimizer step skipped "
+                      f"({self.guard.bad_in_a_row} in a row, train.max_bad_steps {cfg.train.max_bad_steps})[/]")
         self.optimizer.zero_grad(set_to_none=True)
-        return result
+        return result._replace(skipped=skipped)
 
     def run(self, until: int | None = None) -> TrainSummary:
         """Train to cfg.train.steps (or stop early after step `until`, as an interrupted run would)."""
@@ -175,8 +207,9 @@ class Trainer:
         summary = TrainSummary(run_dir=self.run_dir, steps=cfg.train.steps)
         reset_peak_memory(self.device)
         t_last, steps_since = time.perf_counter(), 0
+        self.guard.watch_sigterm()
         try:
-            while self.step < stop:
+            while self.step < stop and not self.finished:
                 loss, grad_norm, skipped = self.train_step()
                 self.step += 1
                 steps_since += 1
@@ -194,13 +227,18 @@ class Trainer:
                 if cfg.train.val_every and (self.step % cfg.train.val_every == 0 or last) and self.val_batches:
                     summary.val_loss = self._validate()
                     t_last = time.perf_counter()
-                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or (last and cfg.checkpoint.save_final):
+                if ((cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or (last and cfg.checkpoint.save_final)
+                        or self.guard.stop_signal):
                     self.save()
                     t_last = time.perf_counter()
                 progress.update(self.step, record)
+                if self.guard.stop_signal:
+                    summary.stopped_by = self._stop_on_signal()
+                    break
             self._finish_saving()
             self._report_runner()
         finally:
+            self.guard.unwatch_sigterm()
             if self.saver is not None and self.saver.pending:
                 with contextlib.suppress(Exception):  # training failed: let a save in flight finish, keep its error
                     self.saver.wait()
@@ -208,6 +246,12 @@ class Trainer:
             if self.metrics is not None:
                 self.metrics.close()
         return summary
+
+    def _stop_on_signal(self) -> int:
+        """The run stops early after the checkpoint just written; returns the signal."""
+        self._log(f"Stopped by signal {self.guard.stop_signal} after step {self.step}; checkpoint saved in "
+                  f"{self.run_dir / 'checkpoints'}. Continue with --resume (or a restart under torchrun).")
+        return self.guard.stop_signal
 
     def _report_runner(self) -> None:
         """The runner's end-of-run report (e.g. the pipeline bubble), into the metrics and onto the console."""
@@ -233,9 +277,9 @@ class Trainer:
             "mfu": mfu,
             "peak_mem_bytes": peak_memory_bytes(self.device),
         }
+        record["skipped_steps"] = self.guard.skipped_steps
         if self.scaler is not None:
             record["loss_scale"] = float(self.scaler.scale)
-            record["skipped_steps"] = self.scaler.skipped_steps
         if self.metrics is not None:
             self.metrics.write(record)
         return record
@@ -256,6 +300,7 @@ class Trainer:
                 "data_signature": self._data_signature(), "tokenizer": self.cfg.data.tokenizer}
         if self.scaler is not None:
             meta["loss_scaler"] = self.scaler.state_dict()
+        meta["guard"] = self.guard.state_dict()
         args = (self.run_dir, self.step, self.runner.checkpoint_modules, self.optimizer, meta,
                 self.cfg.checkpoint.keep)
         protect = [self.loaded_from] if self.loaded_from else []
