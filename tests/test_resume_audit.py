@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from fourfold.cli import main
-from fourfold.cli.train import _without
+from fourfold.cli.common import without as _without
 from fourfold.config_text import to_toml
 from fourfold.distributed import attempt_store, init_distributed
 from fourfold.errors import ConfigError, TrainingError

@@ -27,7 +27,8 @@ def _parser() -> ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $FOURFOLD_API_KEY, else no key)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (launch with torchrun for more than 1)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks; more than 1 starts them with torchrun (NCCL on GPUs, gloo on CPUs)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32")
     p.add_argument("--max-requests", type=int, default=256, help="requests in flight before 429 (at least 1)")
@@ -88,7 +89,14 @@ def main(argv: list[str], console: Console) -> int:
         raise ConfigError(f"fourfold serve needs the serve extra ({e}); run `pip install -e '.[serve]'`.") from None
     from fourfold.serve.engine_setup import open_engine
 
-    engine = open_engine(a.model, device=a.device, dtype=a.dtype, tp=a.tp, config=engine_config(a))
+    config = engine_config(a)  # checked before any process starts
+    if a.tp > 1 and "RANK" not in os.environ:
+        from fourfold.cli.common import launch_torchrun
+
+        return launch_torchrun("serve", a.tp, argv)  # the ranks come back here, under torchrun
+    engine = open_engine(a.model, device=a.device, dtype=a.dtype, tp=a.tp, config=config)
+    if engine is None:  # a follower rank: rank 0 has shut down
+        return 0
     name = a.served_model_name or Path(a.model).resolve().name
     app = build_app(engine, ServeSettings(model_name=name, api_key=a.api_key, max_requests_in_flight=a.max_requests,
                                           request_timeout_s=a.request_timeout, max_body_bytes=a.max_body_bytes))

@@ -11,11 +11,10 @@ checkpoint of --out (fourfold/train/restart.py). SIGTERM saves a checkpoint and 
 from __future__ import annotations
 
 import os
-import sys
 
 from rich.console import Console
 
-from fourfold.cli.common import ArgumentParser
+from fourfold.cli.common import ArgumentParser, launch_torchrun, without
 from fourfold.errors import ConfigError
 
 
@@ -36,41 +35,9 @@ def _train_parser() -> ArgumentParser:
     return p
 
 
-def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """`argv` without the options in `flags` (each taking one value, as `--flag V` or `--flag=V`)."""
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        elif not a.startswith(tuple(f"{f}=" for f in flags)):
-            rest.append(a)
-    return rest
-
-
 def _launch_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Re-run this command under torchrun (in this process, as `torchrun` itself does) with `nproc` workers.
-
-    A worker that stops on a user error prints its one paragraph and exits with 2; this returns 2 then
-    instead of letting torchrun print its own traceback.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    rest = _without(argv, ("--nproc", "--max-restarts"))
-    try:
-        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                        "-m", "fourfold", "train", *rest]))
-    except ChildFailedError as e:
-        if any(f.exitcode == 2 for f in e.failures.values()):
-            return 2  # the worker has said what to change
-        print(e.format_msg(), file=sys.stderr)
-        return 1
-    except SignalException as e:
-        return 128 + int(e.sigval)
-    return 0
+    """Re-run `fourfold train` under torchrun with `nproc` workers (fourfold.cli.common.launch_torchrun)."""
+    return launch_torchrun("train", nproc, without(argv, ("--nproc", "--max-restarts")), max_restarts)
 
 
 def _check_train_inputs(cfg, args, world: int, out: str) -> None:

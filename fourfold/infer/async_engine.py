@@ -27,6 +27,7 @@ from fourfold.errors import ConfigError
 from fourfold.infer.engine import LLMEngine
 from fourfold.infer.engine_config import EngineConfig
 from fourfold.infer.loading import load_model
+from fourfold.infer.lockstep import CommandChannel
 from fourfold.infer.requests import EngineStats, RequestOutput, SamplingParams
 from fourfold.infer.sequence import Sequence
 
@@ -34,8 +35,8 @@ from fourfold.infer.sequence import Sequence
 class AsyncEngine:
     """Streams RequestOutput deltas from an LLMEngine stepping in a background thread."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, channel: CommandChannel | None = None):
+        self.engine, self.channel = engine, channel
         self._commands: deque = deque()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -112,10 +113,12 @@ class AsyncEngine:
         await done
 
     def shutdown(self) -> None:
-        """Stop the engine thread (requests still running are dropped)."""
+        """Stop the engine thread (requests still running are dropped); followers of a channel stop too."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self.channel is not None and self._error is None:
+            self.channel.send([], stop=True)
 
     # -- the engine thread ------------------------------------------------------------------------
     def _command(self, command: tuple) -> None:
@@ -132,8 +135,12 @@ class AsyncEngine:
         loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def _apply_commands(self) -> None:
+        commands = []
         while self._commands:
-            kind, request_id, *rest = self._commands.popleft()
+            commands.append(self._commands.popleft())
+        if self.channel is not None:  # parallel ranks apply the same commands before the same step
+            self.channel.send([c[:2] if c[0] == "abort" else c for c in commands])
+        for kind, request_id, *rest in commands:
             if kind == "add":
                 ids, params = rest
                 try:
@@ -150,7 +157,7 @@ class AsyncEngine:
         while not self._stopped:
             self._apply_commands()
             if not self.engine.has_unfinished():
-                self._wake.wait()
+                self._wake.wait(self.channel.heartbeat_s if self.channel is not None else None)
                 self._wake.clear()
                 continue
             try:
