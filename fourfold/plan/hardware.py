@@ -95,6 +95,8 @@ class Efficiency:
     comm_exposed: float
     """Least fraction of DDP's all-reduce and FSDP's gathers/reduce-scatters that stays exposed (measured on
     one NVLink node: almost all, the collectives slow the overlapping kernels)."""
+    decode_bandwidth: float
+    """Fraction of the memory bandwidth a decode step reaches reading weights and KV cache (not measured)."""
     pp_action_overhead: float
     """Seconds each pipeline compute action adds (the executor's dispatch, send/receive posting, waits)."""
     tp_block_overhead: float

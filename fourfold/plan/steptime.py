@@ -20,6 +20,7 @@ shard) and a fixed per-step overhead.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from fourfold.config import Config
@@ -152,8 +153,7 @@ def stage_cost(cfg: Config, cluster: Cluster, layers: int, first: bool, last: bo
     if p.tp > 1:  # 2 all-reduces (or all-gather + reduce-scatter) forward, 2 backward, each T x dim
         link = cluster.group_link(sizes, "tp")
         one = cluster.collective(link, p.tp, tokens * m.dim * act, "all_reduce")
-        dispatch = eff.tp_sp_block_overhead if p.sequence_parallel else eff.tp_block_overhead
-        tp_comm = layers * (4 * one + dispatch)
+        tp_comm = layers * 4 * one
     if p.cp > 1:
         link = cluster.group_link(sizes, "cp")
         kv = tokens * 2 * m.n_kv_heads * m.head_dim / p.tp * act
@@ -164,6 +164,12 @@ def stage_cost(cfg: Config, cluster: Cluster, layers: int, first: bool, last: bo
         else:
             cp_comm = layers * 2 * cluster.collective(link, p.cp, kv * p.cp, "all_gather")
 
+    if p.tp > 1 and not cfg.compute.compile:
+        # Eager DTensor: each block's ops are dispatched on the CPU (redistributions included); the GPU waits
+        # when a block's kernels take less time than their dispatch.
+        dispatch = layers * (eff.tp_sp_block_overhead if p.sequence_parallel else eff.tp_block_overhead)
+        gpu = blocks_mm * 3 + attn_fwd * 3.5 + ew * (per_block * layers) / (per_block * layers + (per_loss if last else 0))
+        tp_comm += max(0.0, dispatch - gpu)
     forward = blocks_mm + head_mm + attn_fwd + ew_fwd + tp_comm / 2 + cp_comm / 3
     backward = 2 * (blocks_mm + head_mm) + 2.5 * attn_fwd + ew_bwd + tp_comm / 2 + 2 * cp_comm / 3
     mode = cfg.compute.recompute
@@ -178,43 +184,49 @@ def stage_cost(cfg: Config, cluster: Cluster, layers: int, first: bool, last: bo
         recompute = 0.0
     parts = {"matmul": 3 * (blocks_mm + head_mm), "attention": 3.5 * attn_fwd, "elementwise": ew,
              "tp_comm": tp_comm, "cp_comm": cp_comm, "recompute": recompute,
-             "pp_action_overhead": eff.pp_action_overhead if p.pp > 1 else 0.0}
+             }
     return StageCost(forward, backward + recompute, parts)
 
 
-def pipeline_makespan(cfg: Config, costs: list[list[StageCost]], n_micro: int) -> float:
-    """Seconds from the first forward to the last backward, replaying every rank's compute order.
-
-    `costs[r][c]`: rank r's chunk c. Zero-bubble splits a backward into BI and BW halves, each costing
-    `zb_split` of half the backward (two autograd passes instead of one)."""
-    p = cfg.parallel
-    orders = [SCHEDULES[p.pp_schedule](p.pp, p.vpp, n_micro, r) for r in range(p.pp)]
-    last = p.pp * p.vpp - 1
+@functools.lru_cache(maxsize=4096)
+def schedule_length(schedule: str, pp: int, vpp: int, n_micro: int) -> float:
+    """Makespan of `schedule` in units of one micro-batch's forward through one chunk (backward 2 units;
+    zero-bubble's BI and BW ZB_SPLIT units each), replaying every rank's compute order from
+    `fourfold.parallel.pipeline.schedules`: each compute waits for its rank and its input."""
+    orders = [SCHEDULES[schedule](pp, vpp, n_micro, r) for r in range(pp)]
+    cost = {"F": 1.0, "B": 2.0, "BI": ZB_SPLIT, "BW": ZB_SPLIT}
+    last = pp * vpp - 1
     done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * p.pp
-    pos = [0] * p.pp
-    split = 0.5 * ZB_SPLIT
-    overhead = costs[0][0].parts.get("pp_action_overhead", 0.0) / p.vpp  # per micro-batch, spread over chunks
+    free = [0.0] * pp
+    pos = [0] * pp
     progressed = True
     while progressed:
         progressed = False
-        for r in range(p.pp):
+        for r in range(pp):
             while pos[r] < len(orders[r]):
                 a = orders[r][pos[r]]
-                stage = a.chunk * p.pp + r
+                stage = a.chunk * pp + r
                 need = ("F", a.microbatch, stage - 1) if a.kind == "F" and stage > 0 else \
                     ("B", a.microbatch, stage + 1) if a.kind in ("B", "BI") and stage < last else None
                 if need is not None and need not in done:
                     break
-                c = costs[r][a.chunk]
-                dur = {"F": c.forward, "B": c.backward}.get(a.kind, c.backward * split) + overhead
-                free[r] = max(free[r], done[need] if need else 0.0) + dur
+                free[r] = max(free[r], done[need] if need else 0.0) + cost[a.kind]
                 if a.kind != "BW":
                     done[("F" if a.kind == "F" else "B", a.microbatch, stage)] = free[r]
                 pos[r] += 1
                 progressed = True
     return max(free)
 
+
+def pipeline_makespan(cfg: Config, busiest: float, n_micro: int, overhead: float) -> float:
+    """Seconds from the first forward to the last backward: the busiest rank's compute (`busiest` seconds for
+    all its micro-batches) stretched by the schedule's bubble, plus `overhead` per micro-batch and chunk
+    on the critical path."""
+    p = cfg.parallel
+    zero_bubble = p.pp_schedule == "zero-bubble"
+    ratio = schedule_length(p.pp_schedule, p.pp, p.vpp, n_micro) / (n_micro * p.vpp * (1 + 2 * (ZB_SPLIT if zero_bubble else 1)))
+    actions = 3 if zero_bubble else 2  # per micro-batch: F and B, or F, BI and BW (each chunk's share 1/vpp)
+    return (busiest + overhead * n_micro * actions) * ratio
 
 def rank_layers(cfg: Config) -> list[list[int]]:
     """Blocks of each chunk of each pipeline rank: [rank][chunk]."""
@@ -224,7 +236,7 @@ def rank_layers(cfg: Config) -> list[list[int]]:
     return [[counts[c * p.pp + r] for c in range(p.vpp)] for r in range(p.pp)]
 
 
-def _local_params(cfg: Config) -> float:
+def local_params(cfg: Config) -> float:
     """Parameters one rank holds before data-parallel sharding: its pipeline share, split by tp (the largest rank)."""
     m, p = cfg.model, cfg.parallel
     block = _block_matmul_params(cfg) / p.tp + 2 * m.dim
@@ -242,21 +254,22 @@ def predict_step(cfg: Config, world_size: int, cluster: Cluster) -> StepTime:
     last_rank = (p.pp * p.vpp - 1) % p.pp
     costs = [[stage_cost(cfg, cluster, n, r == 0 and c == 0, r == last_rank and c == p.vpp - 1)
               for c, n in enumerate(chunks)] for r, chunks in enumerate(layers)]
+    busiest = max(range(p.pp), key=lambda r: sum(c.forward + c.backward for c in costs[r]))
+    compute = n_micro * sum(c.forward + c.backward for c in costs[busiest])
     if p.pp > 1:
-        body = pipeline_makespan(cfg, costs, n_micro)
+        split = ZB_SPLIT if p.pp_schedule == "zero-bubble" else 1.0  # BI + BW cost more than one B
+        busy = n_micro * sum(c.forward + c.backward * split for c in costs[busiest])
+        body = pipeline_makespan(cfg, busy, n_micro, eff.pp_action_overhead)
         p2p = cluster.collective(cluster.group_link(sizes, "pp"), 2,
                                  t.micro_batch * t.seq_len / p.cp / p.tp * m.dim * 2, "p2p")
         body += 2 * p2p * (n_micro + p.pp - 1) * p.vpp
     else:
         body = n_micro * (costs[0][0].forward + costs[0][0].backward)
-    busiest = max(range(p.pp), key=lambda r: sum(c.forward + c.backward for c in costs[r]))
-    compute = n_micro * sum(c.forward + c.backward for c in costs[busiest])
-    parts = {k: n_micro * sum(c.parts[k] for c in costs[busiest]) for k in costs[0][0].parts
-             if k != "pp_action_overhead"}
+    parts = {k: n_micro * sum(c.parts[k] for c in costs[busiest]) for k in costs[0][0].parts}
     parts["bubble"] = max(0.0, body - compute)
 
     strategy = data_parallel_strategy(p)
-    local = _local_params(cfg)
+    local = local_params(cfg)
     master = 8 if cfg.compute.precision == "fp64" else 4
     param_b = BYTES[p.param_dtype] if p.param_dtype != "fp32" else master
     reduce_b = BYTES[p.reduce_dtype] if p.reduce_dtype != "fp32" else master

@@ -1,0 +1,104 @@
+"""What the planner prints and writes: the ranked table, the overrides of a layout, a TOML `fourfold train` loads.
+
+    console.print(ranked_table(ranked, world))
+    print(" ".join(layout_overrides(cfg)))           # --parallel.tp 8 --parallel.pp 4 ...
+    Path("best.toml").write_text(config_toml(cfg))   # load_config("best.toml") gives cfg back
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rich.table import Table
+
+from fourfold.config import Config
+from fourfold.layout import data_parallel_strategy
+from fourfold.plan.search import Ranked
+
+PLANNED_KEYS = {
+    "model": ("preset", "max_seq_len"),
+    "train": ("seq_len", "global_batch", "micro_batch"),
+    "parallel": ("dp", "fsdp", "tp", "pp", "cp", "vpp", "pp_schedule", "zero", "sequence_parallel", "param_dtype",
+                 "cp_method"),
+    "compute": ("device", "precision", "recompute", "compile", "compile_scope"),
+    "quant": ("float8",),
+}
+"""The keys a plan sets, by section: what its overrides and its TOML carry."""
+
+
+def describe(cfg: Config) -> str:
+    """'tp8 pp4 (1f1b) fsdp2', the parallel part of a layout in a few characters."""
+    p = cfg.parallel
+    parts = [f"{name}{getattr(p, name)}" for name in ("tp", "cp", "pp") if getattr(p, name) > 1]
+    if p.pp > 1:
+        parts[-1] += f"x{p.vpp} {p.pp_schedule}" if p.vpp > 1 else f" {p.pp_schedule}"
+    strategy = data_parallel_strategy(p)
+    if p.dp > 1 and p.fsdp > 1:
+        parts.append(f"hsdp {p.dp}x{p.fsdp}")
+    elif p.fsdp > 1:
+        parts.append(f"{'zero1' if strategy == 'zero1' else f'zero{p.zero}'} {p.fsdp}")
+    elif p.dp > 1:
+        parts.append(f"{'fsdp' if strategy == 'fsdp' else 'ddp'} {p.dp}")
+    if p.tp > 1 and not p.sequence_parallel:
+        parts.append("no-sp")
+    return " ".join(parts) or "1 GPU"
+
+
+def ranked_table(ranked: list[Ranked], world: int, title: str = "") -> Table:
+    """The layouts, fastest first: layout, micro-batch, recompute, float8, step, tokens/s/GPU, MFU, memory."""
+    table = Table(title=title or None, title_justify="left")
+    for name, right in (("#", True), ("layout", False), ("micro", True), ("recompute", False), ("fp8", False),
+                        ("step s", True), ("tokens/s/GPU", True), ("MFU", True), ("peak GiB", True),
+                        ("needs GiB", True)):
+        table.add_column(name, justify="right" if right else "left")
+    for i, r in enumerate(ranked, 1):
+        pred = r.prediction
+        table.add_row(str(i), describe(r.cfg), str(r.cfg.train.micro_batch), r.cfg.compute.recompute,
+                      "yes" if r.cfg.quant.float8 else "", f"{pred.step.seconds:.3f}",
+                      f"{pred.tokens_per_s_per_gpu:,.0f}", f"{pred.mfu:.1%}", f"{pred.peak_bytes / 2**30:.1f}",
+                      f"{pred.needed_bytes / 2**30:.1f} / {pred.device_bytes / 2**30:.0f}")
+    return table
+
+
+def _planned(cfg: Config) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for section, keys in PLANNED_KEYS.items():
+        values = getattr(cfg, section)
+        out[section] = {k: getattr(values, k) for k in keys if getattr(values, k) is not None}
+    return out
+
+
+def _value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
+def layout_overrides(cfg: Config) -> list[str]:
+    """The command-line overrides that run `cfg`'s planned keys: ['--parallel.tp', '8', ...]."""
+    out = []
+    defaults = Config()
+    for section, values in _planned(cfg).items():
+        for key, value in values.items():
+            if key != "preset" and getattr(getattr(defaults, section), key) == value and section != "train":
+                continue
+            out += [f"--{section}.{key}", _value(value).strip('"')]
+    return out
+
+
+def config_toml(cfg: Config, header: str = "") -> str:
+    """A TOML file with every planned key of `cfg` (model shape included unless it is a preset)."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    planned = _planned(cfg)
+    if cfg.model.preset is None:
+        planned["model"] = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)
+                            if getattr(cfg.model, f.name) is not None}
+    for section, values in planned.items():
+        lines += ["", f"[{section}]"] + [f"{k} = {_value(v)}" for k, v in values.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"
