@@ -12,8 +12,12 @@ import dataclasses
 from rich.table import Table
 
 from fourfold.config import Config
+from fourfold.hardware import device_kind, peak_memory_bytes
 from fourfold.layout import data_parallel_strategy
+from fourfold.plan.hardware import load_hardware
+from fourfold.plan.predict import predict
 from fourfold.plan.search import Ranked
+from fourfold.units import format_bytes
 
 PLANNED_KEYS = {
     "model": ("preset", "max_seq_len"),
@@ -102,3 +106,31 @@ def config_toml(cfg: Config, header: str = "") -> str:
     for section, values in planned.items():
         lines += ["", f"[{section}]"] + [f"{k} = {_value(v)}" for k, v in values.items()]
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def predicted_vs_measured(cfg: Config, world: int, device: str | None, step_seconds: float,
+                          peak_bytes: int | None, gpus_per_node: int = 8) -> str:
+    """One line for the end of a training run: the planner's step time and peak memory next to the measured.
+
+    `device` is the hardware table's name ('h100', 'cpu'; None: unknown, no line); `peak_bytes` None leaves
+    memory out (a CPU's resident set is not what the model predicts). Never raises: advice only."""
+    if device is None:
+        return "planner: no prediction (this GPU is not in the hardware table; add it with --hardware)"
+    try:
+        pred = predict(cfg, world, load_hardware(), device, gpus_per_node=min(world, gpus_per_node) or 1)
+    except Exception as e:  # noqa: BLE001 - a layout the planner does not model must not fail a finished run
+        return f"planner: no prediction ({e})"
+    err = (pred.step.seconds - step_seconds) / step_seconds if step_seconds > 0 else 0.0
+    line = f"planner: step {pred.step.seconds:.3f} s predicted, {step_seconds:.3f} s measured ({err:+.1%})"
+    if peak_bytes:
+        merr = (pred.peak_bytes - peak_bytes) / peak_bytes
+        line += (f"; peak memory {format_bytes(pred.peak_bytes)} predicted, {format_bytes(peak_bytes)} measured "
+                 f"({merr:+.1%})")
+    return line
+
+
+def end_of_run_line(cfg: Config, world: int, device, tokens_per_s: float | None) -> str:
+    """`predicted_vs_measured` for a finished run on torch `device` at the measured `tokens_per_s` (all ranks)."""
+    step = cfg.train.global_batch * cfg.train.seq_len / tokens_per_s if tokens_per_s else 0.0
+    peak = peak_memory_bytes(device) if device.type == "cuda" else None
+    return predicted_vs_measured(cfg, world, device_kind(device), step, peak)

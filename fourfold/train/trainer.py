@@ -35,6 +35,7 @@ from fourfold.parallel.build import build_model
 from fourfold.parallel.data_parallel import build_data_parallel
 from fourfold.plan.memory import MEASURED_KEYS, estimate_memory
 from fourfold.plan.recompute_cost import recompute_summary, without_recompute
+from fourfold.plan.report import end_of_run_line
 from fourfold.train.dataset import build_data
 from fourfold.train.metrics import MetricsWriter, TrainProgress
 from fourfold.train.runner import StepResult, StepRunner, build_runner
@@ -182,6 +183,7 @@ class Trainer:
                     t_last = time.perf_counter()
                 progress.update(self.step, record)
             self._report_runner()
+            self._log(end_of_run_line(cfg, self.env.world_size, self.device, summary.tokens_per_s))
         finally:
             progress.close()
             if self.metrics is not None:
