@@ -53,18 +53,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _data_layouts(rest: int, tp: int, cp: int, gpus_per_node: int) -> Iterator[dict]:
-    """The ways to spend `rest` data-parallel ranks: DDP, FSDP (ZeRO-3), ZeRO-2, ZeRO-1, HSDP (dp x fsdp)."""
-    if rest == 1:
-        yield {"dp": 1, "fsdp": 1, "zero": 3}
-        return
-    yield {"dp": rest, "fsdp": 1, "zero": 3}
-    for zero in (3, 2, 1):
-        if zero == 1 and (tp > 1 or cp > 1):
-            continue
-        yield {"dp": 1, "fsdp": rest, "zero": zero}
-    for fsdp in _divisors(rest)[1:-1]:  # HSDP: shard inside, replicate across
-        yield {"dp": rest // fsdp, "fsdp": fsdp, "zero": 3}
+def _data_layouts(rest: int) -> Iterator[dict]:
+    """The ways to spend `rest` data-parallel ranks: every dp x fsdp split (DDP, FSDP, HSDP), with each ZeRO
+    stage where an fsdp dimension exists; `validate_layout` keeps the ones the trainer runs (ZeRO-1 only
+    alone, ...)."""
+    for fsdp in _divisors(rest):
+        for zero in ((3, 2, 1) if fsdp > 1 else (3,)):
+            yield {"dp": rest // fsdp, "fsdp": fsdp, "zero": zero}
 
 
 def candidates(base: Config, world: int, space: SearchSpace, gpus_per_node: int,
@@ -77,7 +72,7 @@ def candidates(base: Config, world: int, space: SearchSpace, gpus_per_node: int,
                 rest = world // (tp * cp * pp)
                 pipes = [(1, "1f1b")] if pp == 1 else [(v, s) for v in space.vpp for s in space.schedules]
                 for vpp, schedule in pipes:
-                    for data in _data_layouts(rest, tp, cp, gpus_per_node):
+                    for data in _data_layouts(rest):
                         for mb in space.micro_batches:
                             for sp in (space.sequence_parallel if tp > 1 else (True,)):
                                 for rc in space.recompute:
