@@ -205,6 +205,6 @@ def load_hardware(paths: list[str | Path] | None = None, calibration: bool = Tru
     for n, v in devices.items():
         if v["intra_node"] not in built_links:
             raise ConfigError(f"device.{n}: intra_node '{v['intra_node']}' names no [link.*] table; known: "
-                              f"{', '.join(built_links)}.")
+                              f"{', '.join(built_links)} (hardware files read: {', '.join(map(str, files))}).")
         built[n] = Device(name=n, **v)
     return Hardware(built, built_links, Efficiency(**eff), tuple(str(f) for f in files))

@@ -242,7 +242,7 @@ def local_params(cfg: Config) -> float:
     block = _block_matmul_params(cfg) / p.tp + 2 * m.dim
     per_rank = max(sum(chunks) for chunks in rank_layers(cfg)) * block
     ends = m.vocab_size * m.dim / p.tp * (1 if p.pp > 1 else (1 if m.tie_embeddings else 2))
-    return per_rank + ends
+    return per_rank + ends + m.dim  # the final norm
 
 
 def predict_step(cfg: Config, world_size: int, cluster: Cluster) -> StepTime:
