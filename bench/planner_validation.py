@@ -163,6 +163,36 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def first_picks(rows: list[dict], runs: list[Run], hardware_files: list[str]) -> str:
+    """For 1 and 2 GPUs: the planner's ranking of the measured layouts against the measured ranking, and its
+    own first pick over the whole search space at the benchmark shape."""
+    from fourfold.plan.report import describe
+    from fourfold.plan.search import SearchSpace, rank_layouts
+
+    hw = load_hardware(hardware_files, calibration=False)
+    lines = ["| GPUs | fastest measured (tokens/s/GPU) | planner's pick among the measured | its measured speed "
+             "| within 3%? | planner's pick over its whole space (predicted tokens/s/GPU) |",
+             "|---:|---|---|---:|---|---|"]
+    for world in (1, 2):
+        pool = [(r, run) for r, run in zip(rows, runs) if run.world == world and run.optimizer_timed
+                and run.cfg.train.seq_len == 2048 and run.cfg.model.preset == "llama-1b"
+                and not run.source.startswith("2026-11-23-h200x2-session3/train_single")]  # older code
+        speed = [(run.cfg.train.global_batch * run.cfg.train.seq_len / (r["step_ms"] / 1e3) / world, r, run)
+                 for r, run in pool]
+        best_measured = max(speed, key=lambda x: x[0])
+        picked = min(speed, key=lambda x: (x[1]["pred_ms"] / x[2].cfg.train.global_batch, -x[0]))
+        ok = picked[0] >= 0.97 * best_measured[0]
+        base = _base("llama-1b", 4, 2048, world, {}, 4 * world)
+        ranked, total, _ = rank_layouts(base, world, hw, "h200", 8, "ib400", top=1)
+        top = ranked[0]
+        lines.append(f"| {world} | {best_measured[2].name} ({best_measured[0]:,.0f}) | {picked[2].name} "
+                     f"({picked[1]['source']}) | {picked[0]:,.0f} | {'yes' if ok else 'no'} | {describe(top.cfg)}, "
+                     f"micro-batch {top.cfg.train.micro_batch}, recompute {top.cfg.compute.recompute}, "
+                     f"float8 {top.cfg.quant.float8}, compile {top.cfg.compute.compile_scope if top.cfg.compute.compile else 'off'} "
+                     f"({top.prediction.tokens_per_s_per_gpu:,.0f}; best of {total}) |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     """Evaluate every recorded run, print the table, rewrite docs/planner.md's table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -172,8 +202,10 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--json", default="")
     args = p.parse_args()
-    rows = evaluate(gpu_runs(args.results) + cpu_runs(args.results), args.hardware)
-    text = markdown(rows)
+    runs = gpu_runs(args.results) + cpu_runs(args.results)
+    rows = evaluate(runs, args.hardware)
+    text = markdown(rows) + "\n\nFirst picks (benchmark shape: llama-1b, seq 2048, 4 sequences per GPU, H200):\n\n" + \
+        first_picks(rows, runs, args.hardware)
     print(text)
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)

@@ -71,6 +71,12 @@ class Efficiency:
 
     matmul: float
     """bf16/fp16/fp32 GEMMs, of the dtype's dense peak."""
+    matmul_tokens_half: float
+    """Tokens per micro-batch and rank at which GEMMs reach half of `matmul` (small micro-batches make skinny
+    GEMMs): efficiency = matmul * T / (T + matmul_tokens_half)."""
+    compile_block_boundary: float
+    """Seconds per block and micro-batch that compiling block by block costs over compiling the whole model
+    (graph boundaries between blocks)."""
     attention: float
     """Fused attention forward + backward, of the bf16 peak (causal FLOPs)."""
     fp8_matmul: float
@@ -148,7 +154,7 @@ def _check_value(where: str, key: str, value, kind: type):
         raise ConfigError(f"{where}: '{key}' must be a number, not {value!r}.")
     if value < 0 or (value == 0 and key not in ("flops_fp8", "latency") and not key.startswith("flops_")):
         raise ConfigError(f"{where}: '{key}' = {value!r} must be positive (FLOP/s, bytes/s, seconds or GiB).")
-    if kind is Efficiency and not 0 < value <= (1e6 if key.endswith("seq_half") else 4):
+    if kind is Efficiency and not 0 < value <= (1e6 if key.endswith("_half") else 4):
         raise ConfigError(f"{where}: efficiency '{key}' = {value!r} must be in (0, 4] (a fraction of the peak).")
     return float(value)
 

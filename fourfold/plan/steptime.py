@@ -134,8 +134,9 @@ def stage_cost(cfg: Config, cluster: Cluster, layers: int, first: bool, last: bo
     sizes = layout_sizes(cfg)
     dtype = compute_dtype(cfg)
     tokens = t.micro_batch * t.seq_len / p.cp
-    mm_peak = dev.flops(dtype) * eff.matmul
-    block_peak = dev.flops("fp8") * eff.fp8_matmul if cfg.quant.float8 and dev.flops("fp8") else mm_peak
+    skinny = tokens / (tokens + eff.matmul_tokens_half)
+    mm_peak = dev.flops(dtype) * eff.matmul * skinny
+    block_peak = dev.flops("fp8") * eff.fp8_matmul * skinny if cfg.quant.float8 and dev.flops("fp8") else mm_peak
     blocks_mm = 2 * tokens * _block_matmul_params(cfg) / p.tp * layers / block_peak
     head_mm = 2 * tokens * m.vocab_size * m.dim / p.tp / mm_peak if last else 0.0
     attn_flops = 2 * t.micro_batch * (t.seq_len / p.cp) * t.seq_len * m.n_heads * m.head_dim / p.tp  # causal
@@ -146,6 +147,8 @@ def stage_cost(cfg: Config, cluster: Cluster, layers: int, first: bool, last: bo
     per_block, per_loss = _elementwise_bytes_per_token(cfg)
     scale = eff.elementwise_compiled if cfg.compute.compile else eff.elementwise_eager
     ew = tokens * (per_block * layers + (per_loss if last else 0)) * scale / dev.hbm_bandwidth
+    if cfg.compute.compile and cfg.compute.compile_scope == "blocks":
+        ew += layers * eff.compile_block_boundary
     ew_fwd, ew_bwd = ew / 3, 2 * ew / 3
 
     act = 2 if dtype in ("bf16", "fp16") else BYTES[dtype]
@@ -278,6 +281,8 @@ def predict_step(cfg: Config, world_size: int, cluster: Cluster) -> StepTime:
     if strategy == "ddp":
         ar = cluster.collective(cluster.group_link(sizes, "dp"), p.dp, local * reduce_b, "all_reduce")
         dp_comm = max(ar - eff.overlap * compute, eff.comm_exposed * ar)
+        if reduce_b != master:  # the comm hook's cast, divide and copy back: four passes over the gradients
+            dp_comm += local * (2 * master + 2 * reduce_b) / (dev.hbm_bandwidth * eff.optimizer)
     elif strategy in ("fsdp", "zero1"):
         dims = [d for d in ("fsdp", "cp") if sizes[d] > 1] or ["dp"]
         shards = 1
