@@ -5,7 +5,8 @@
     ranked = rank_layouts(base_cfg, 64, cluster_hw, "h100", 8, "ib400", top=10)     # fastest that fit
 
 A candidate is the base config with the parallel degrees (tp inside a node, then cp, pp with vpp and a
-schedule, the data-parallel rest as DDP, ZeRO-1/2/3 or HSDP), the micro-batch, the recompute mode, float8,
+schedule; blocks split evenly over the pipeline stages, or as evenly as they go with the first stages
+one block longer, the data-parallel rest as DDP, ZeRO-1/2/3 or HSDP), the micro-batch, the recompute mode, float8,
 compile and sequence parallel set; it is kept only if `validate_layout` accepts it, so nothing proposed is
 refused by the trainer. Enumeration order is fixed (loops over sorted values), so the search is
 deterministic; ties in predicted time keep that order.
@@ -84,9 +85,12 @@ def candidates(base: Config, world: int, space: SearchSpace, gpus_per_node: int,
 
 def _make(base: Config, tp, cp, pp, vpp, schedule, data, mb, sp, rc, f8, comp) -> Config:
     strategy_fsdp = data["fsdp"] > 1 or tp > 1 or cp > 1
+    stages, n_layers = pp * vpp, base.model.n_layers
+    uneven = stages > 1 and n_layers % stages and n_layers >= stages  # balanced, the later stages one block short
+    pp_layers = [n_layers // stages + (i < n_layers % stages) for i in range(stages)] if uneven else None
     par = dataclasses.replace(base.parallel, tp=tp, cp=cp, pp=pp, vpp=vpp, pp_schedule=schedule, dp=data["dp"],
                               fsdp=data["fsdp"], zero=data["zero"], sequence_parallel=sp, pp_microbatches=0,
-                              pp_layers=None, hierarchical_allreduce=False,
+                              pp_layers=pp_layers, hierarchical_allreduce=False,
                               param_dtype="bf16" if strategy_fsdp and data["zero"] != 1 else "fp32")
     scope = "model" if comp and pp == 1 and tp == 1 and cp == 1 and data["fsdp"] == 1 else "blocks"
     compute = dataclasses.replace(base.compute, recompute=rc, compile=comp, compile_scope=scope)
