@@ -65,7 +65,6 @@ def _device(row: dict, default: str = "h200") -> str:
 
 def gpu_runs(results: str) -> list[Run]:
     """Every fourfold row of the recorded GPU results."""
-    import pipeline as pipeline_bench  # noqa: F401  (documents where the pipeline overrides come from)
     from train_dp import fourfold_layout
     from train_single import VARIANTS
     from train_tp_cp import variants as tp_cp_variants
@@ -175,7 +174,7 @@ def first_picks(rows: list[dict], runs: list[Run], hardware_files: list[str]) ->
     """For 1 and 2 GPUs: the planner's ranking of the measured layouts against the measured ranking, and its
     own first pick over the whole search space at the benchmark shape."""
     from fourfold.plan.report import describe
-    from fourfold.plan.search import SearchSpace, rank_layouts
+    from fourfold.plan.search import rank_layouts
 
     hw = load_hardware(hardware_files, calibration=False)
     lines = ["| GPUs | fastest measured (tokens/s/GPU) | planner's pick among the measured | its measured speed "

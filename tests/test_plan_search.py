@@ -17,7 +17,7 @@ from fourfold.layout import validate_layout
 from fourfold.plan.hardware import load_hardware
 from fourfold.plan.predict import predict
 from fourfold.plan.report import describe, layout_overrides
-from fourfold.plan.search import SearchSpace, _make, enumerate_layouts, rank_layouts
+from fourfold.plan.search import SearchSpace, make_candidate, enumerate_layouts, rank_layouts
 
 SMALL = SearchSpace(micro_batches=(1, 2), recompute=("none", "full"), float8=(False,), compile=(False,),
                     sequence_parallel=(True, False), vpp=(1, 2), max_cp=4, max_pp=4)
@@ -47,7 +47,7 @@ def _brute_force(base, world: int, space: SearchSpace, per_node: int) -> set:
                 space.vpp, space.schedules, (1, 2, 3), space.micro_batches, space.sequence_parallel, space.recompute):
             if (pp == 1 and (vpp, schedule) != (1, "1f1b")) or (fsdp == 1 and zero != 3) or (tp == 1 and not sp):
                 continue
-            cfg = _make(base, tp, cp, pp, vpp, schedule, {"dp": dp, "fsdp": fsdp, "zero": zero}, mb, sp, rc,
+            cfg = make_candidate(base, tp, cp, pp, vpp, schedule, {"dp": dp, "fsdp": fsdp, "zero": zero}, mb, sp, rc,
                         False, False)
             try:
                 validate_layout(cfg, world)
@@ -103,7 +103,7 @@ def test_layouts_that_do_not_fit_are_dropped():
 
 
 def test_describe_names_every_dimension():
-    cfg = _make(_base(), 2, 2, 2, 2, "interleaved-1f1b", {"dp": 2, "fsdp": 2, "zero": 3}, 1, False, "full", False,
+    cfg = make_candidate(_base(), 2, 2, 2, 2, "interleaved-1f1b", {"dp": 2, "fsdp": 2, "zero": 3}, 1, False, "full", False,
                 False)
     text = describe(cfg)
     assert "tp2" in text and "cp2" in text and "pp2x2 interleaved-1f1b" in text and "hsdp 2x2" in text

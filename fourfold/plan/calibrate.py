@@ -118,7 +118,7 @@ def write_calibration(figures: dict, path: Path) -> Path:
     """Write `figures` (from `measure`) as a hardware TOML at `path`; returns the path."""
     link = figures["link"]
     lines = ["# Written by `fourfold plan calibrate`: this machine's measured figures.",
-             f"[device.{figures['name']}]", f'description = "measured by fourfold plan calibrate"',
+             f"[device.{figures['name']}]", 'description = "measured by fourfold plan calibrate"',
              f"memory_gib = {figures['memory_gib']:.3f}"]
     lines += [f"flops_{k} = {figures[f'flops_{k}']:.6g}" for k in DTYPE_KEYS]
     lines += [f"hbm_bandwidth = {figures['hbm_bandwidth']:.6g}", f'intra_node = "{figures["intra_node"]}"']

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from fourfold.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
 
 SHIPPED = Path(__file__).parent / "data" / "hardware.toml"
 DTYPE_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")

@@ -66,7 +66,6 @@ def _data_layouts(rest: int) -> Iterator[dict]:
 def candidates(base: Config, world: int, space: SearchSpace, gpus_per_node: int,
                fp8_ok: bool = True) -> Iterator[Config]:
     """Every combination of the space on `world` ranks, valid or not (tp within a node)."""
-    m, t = base.model, base.train
     for tp in [d for d in _divisors(world) if d <= gpus_per_node]:
         for cp in [d for d in _divisors(world // tp) if d <= space.max_cp]:
             for pp in [d for d in _divisors(world // (tp * cp)) if d <= space.max_pp]:
@@ -79,11 +78,14 @@ def candidates(base: Config, world: int, space: SearchSpace, gpus_per_node: int,
                                 for rc in space.recompute:
                                     for f8 in (space.float8 if tp == 1 and fp8_ok else (False,)):
                                         for comp in space.compile:
-                                            yield _make(base, tp, cp, pp, vpp, schedule, data, mb, sp, rc, f8,
+                                            yield make_candidate(base, tp, cp, pp, vpp, schedule, data, mb, sp, rc, f8,
                                                         comp)
 
 
-def _make(base: Config, tp, cp, pp, vpp, schedule, data, mb, sp, rc, f8, comp) -> Config:
+def make_candidate(base: Config, tp: int, cp: int, pp: int, vpp: int, schedule: str, data: dict, mb: int, sp: bool,
+                   rc: str, f8: bool, comp: bool) -> Config:
+    """`base` with one point of the space set (data: {"dp", "fsdp", "zero"}); FSDP layouts get bf16 parameters,
+    compile covers the whole model where `validate_layout` allows it."""
     strategy_fsdp = data["fsdp"] > 1 or tp > 1 or cp > 1
     stages, n_layers = pp * vpp, base.model.n_layers
     uneven = stages > 1 and n_layers % stages and n_layers >= stages  # balanced, the later stages one block short
@@ -96,16 +98,6 @@ def _make(base: Config, tp, cp, pp, vpp, schedule, data, mb, sp, rc, f8, comp) -
     compute = dataclasses.replace(base.compute, recompute=rc, compile=comp, compile_scope=scope)
     return dataclasses.replace(base, parallel=par, compute=compute, quant=dataclasses.replace(base.quant, float8=f8),
                                train=dataclasses.replace(base.train, micro_batch=mb))
-
-
-def is_valid(cfg: Config, world: int) -> bool:
-    """Whether the trainer would accept `cfg` on `world` ranks (its config ranges and its layout rules)."""
-    try:
-        validate(cfg)
-        validate_layout(cfg, world)
-    except (LayoutError, ConfigError):
-        return False
-    return True
 
 
 def enumerate_layouts(base: Config, world: int, space: SearchSpace, gpus_per_node: int,
