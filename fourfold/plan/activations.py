@@ -171,7 +171,8 @@ def _compiled_block(sh: Shapes, mode: str, x_dtype: torch.dtype, weight_elems: i
     qkv = t * (sh.hq + 2 * sh.hkv) * sh.hd * a
     attn = t * sh.hq * sh.hd * a + sh.b * sh.hq * sh.s * 4
     swiglu = 2 * t * sh.f * a
-    weights = weight_elems * (1 if sh.float8 else dtype_size(sh.autocast)) if sh.autocast is not None else 0
+    cast = sh.autocast is not None and sh.compute != sh.autocast  # weights cast to the autocast dtype
+    weights = weight_elems if sh.float8 else (weight_elems * dtype_size(sh.autocast) if cast else 0)
     if mode == "selective":
         return qkv + attn + swiglu + weights
     r = torch.promote_types(x_dtype, sh.linear)
