@@ -6,7 +6,7 @@
 For each published layout: the planner's step time, tokens/s/GPU and TFLOP/s/GPU for that exact layout,
 next to the published figure, and the layout it would pick instead on the same GPUs (searched over a
 reduced space: micro-batch 1-2, selective or full recompute, bf16, 1F1B or interleaved schedules), with its
-predicted gain. Model shapes are from the papers (stated in docs/planner.md); GPT's 4h GELU MLP is
+predicted gain (negative: the published layout is faster but does not fit by fourfold's memory model). Model shapes are from the papers (stated in docs/planner.md); GPT's 4h GELU MLP is
 represented by a SwiGLU MLP of the same parameter count (ffn = 8h/3), dense multi-head attention by
 n_kv_heads = n_heads. No GPU is needed.
 """
@@ -89,15 +89,16 @@ def evaluate(search: bool) -> list[dict]:
     rows = []
     for name, model, seq, batch, gpus, layout, rc, dev, link, figure, seconds, tflops in CASES:
         cfg = _config(model, seq, batch, layout, rc)
-        pred = predict(cfg, gpus, hw, dev, 8, link, memory=False)
+        pred = predict(cfg, gpus, hw, dev, 8, link)
         step = pred.step
         tf = step.model_flops / step.seconds / gpus / 1e12
         row = {"name": name, "gpus": gpus, "device": dev, "layout": describe(cfg) + f", {rc} recompute",
                "published": figure, "pred_s": step.seconds, "pred_tflops": tf,
+               "mem": f"{pred.peak_bytes / 2**30:.0f} GiB" + ("" if pred.fits else " (does not fit)"),
                "error": ((step.seconds - seconds) / seconds) if seconds else ((tf - tflops) / tflops)}
         if search:
             base = _config(model, seq, batch, {}, rc)
-            ranked, total, _ = rank_layouts(base, gpus, hw, dev, 8, link, top=1, space=SPACE, max_memory_checks=60)
+            ranked, total, _ = rank_layouts(base, gpus, hw, dev, 8, link, top=1, space=SPACE, max_memory_checks=300)
             if ranked:
                 best = ranked[0]
                 row["pick"] = (f"{describe(best.cfg)}, micro-batch {best.cfg.train.micro_batch}, "
@@ -113,11 +114,13 @@ def evaluate(search: bool) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     """The published-vs-predicted table."""
     lines = ["| case | GPUs | layout | published | predicted step | predicted TFLOP/s/GPU | error vs published "
-             "| planner's pick instead | predicted gain |", "|---|---:|---|---|---:|---:|---:|---|---:|"]
+             "| predicted peak per GPU | planner's pick instead | predicted gain |",
+             "|---|---:|---|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         gain = "—" if r.get("gain") is None else f"{r['gain']:+.1%}"
         lines.append(f"| {r['name']} | {r['gpus']:,} × {r['device']} | {r['layout']} | {r['published']} | "
-                     f"{r['pred_s']:.2f} s | {r['pred_tflops']:.0f} | {r['error']:+.1%} | {r.get('pick', '—')} | {gain} |")
+                     f"{r['pred_s']:.2f} s | {r['pred_tflops']:.0f} | {r['error']:+.1%} | {r['mem']} | {r.get('pick', '—')} | "
+                     f"{gain} |")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fourfold.config import Config
 from fourfold.plan.hardware import Hardware
+from fourfold.plan.layout import rank_of
 from fourfold.plan.memory import MemoryEstimate, estimate_memory
 from fourfold.plan.steptime import Cluster, StepTime, compute_dtype, predict_step
 
@@ -59,6 +60,17 @@ class Prediction:
         return self.step.mfu(self.world_size, self.peak_flops)
 
 
+def peak_rank_memory(cfg: Config, world_size: int) -> MemoryEstimate:
+    """The memory estimate of the rank that holds the most. Deep pipelines are estimated on their first stage
+    (the most micro-batches in flight, the embedding) and last (the head and the loss) only: a middle stage
+    holds fewer micro-batches than the first and no embedding or head."""
+    p = cfg.parallel
+    if p.pp <= 2:
+        return estimate_memory(cfg, world_size)
+    ends = [estimate_memory(cfg, world_size, rank_of(cfg, {"pp": stage})) for stage in (0, p.pp - 1)]
+    return max(ends, key=lambda e: e.total)
+
+
 def cluster_for(hw: Hardware, device: str, gpus_per_node: int, interconnect: str) -> Cluster:
     """The Cluster of `device`s (see fourfold.plan.steptime.Cluster)."""
     return Cluster.build(hw, device, gpus_per_node, interconnect)
@@ -72,7 +84,7 @@ def predict(cfg: Config, world_size: int, hw: Hardware, device: str, gpus_per_no
     step = predict_step(cfg, world_size, cluster)
     if not optimizer:
         step.seconds -= step.parts.pop("optimizer")
-    est = estimate_memory(cfg, world_size) if memory else None
+    est = peak_rank_memory(cfg, world_size) if memory else None
     dtype = compute_dtype(cfg)
     peak = cluster.device.flops("bf16" if dtype == "fp16" else dtype)
     return Prediction(step, est, world_size, cluster.device.memory_bytes, peak)
