@@ -78,7 +78,7 @@ def _config(model: dict, seq: int, batch: int, layout: dict, recompute: str, ext
     flat = {**model, "train.seq_len": seq, "train.global_batch": batch, "train.micro_batch": 1,
             "compute.precision": "bf16", "compute.device": "cuda", "compute.recompute": recompute,
             "compute.compile": True, **layout, **(extra or {})}
-    if "parallel.dp" in flat or "parallel.tp" in flat:
+    if int(flat.get("parallel.dp", 1)) * int(flat.get("parallel.cp", 1)) > 1:  # FSDP (over dp or cp)
         flat.setdefault("parallel.param_dtype", "bf16")
     return build_config({}, {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in flat.items()})
 

@@ -7,6 +7,7 @@ return that set, no more, no less.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -48,12 +49,14 @@ def _brute_force(base, world: int, space: SearchSpace, per_node: int) -> set:
             if (pp == 1 and (vpp, schedule) != (1, "1f1b")) or (fsdp == 1 and zero != 3) or (tp == 1 and not sp):
                 continue
             cfg = make_candidate(base, tp, cp, pp, vpp, schedule, {"dp": dp, "fsdp": fsdp, "zero": zero}, mb, sp, rc,
-                        False, False)
-            try:
-                validate_layout(cfg, world)
-            except (LayoutError, ConfigError):
-                continue
-            found.add(_key(cfg))
+                                 False, False)
+            for param_dtype in ("fp32", "bf16"):  # valid with either: the search must propose it
+                try:
+                    validate_layout(dataclasses.replace(cfg, parallel=dataclasses.replace(
+                        cfg.parallel, param_dtype=param_dtype)), world)
+                except (LayoutError, ConfigError):
+                    continue
+                found.add(_key(cfg))
     return found
 
 

@@ -20,7 +20,7 @@ from typing import Iterator
 
 from fourfold.config import Config, validate
 from fourfold.errors import ConfigError, LayoutError
-from fourfold.layout import validate_layout
+from fourfold.layout import data_parallel_strategy, validate_layout
 from fourfold.plan.hardware import Hardware
 from fourfold.plan.predict import Prediction, predict
 from fourfold.plan.steptime import local_params, rank_layers
@@ -86,14 +86,14 @@ def make_candidate(base: Config, tp: int, cp: int, pp: int, vpp: int, schedule: 
                    rc: str, f8: bool, comp: bool) -> Config:
     """`base` with one point of the space set (data: {"dp", "fsdp", "zero"}); FSDP layouts get bf16 parameters,
     compile covers the whole model where `validate_layout` allows it."""
-    strategy_fsdp = data["fsdp"] > 1 or tp > 1 or cp > 1
     stages, n_layers = pp * vpp, base.model.n_layers
     uneven = stages > 1 and n_layers % stages and n_layers >= stages  # balanced, the later stages one block short
     pp_layers = [n_layers // stages + (i < n_layers % stages) for i in range(stages)] if uneven else None
     par = dataclasses.replace(base.parallel, tp=tp, cp=cp, pp=pp, vpp=vpp, pp_schedule=schedule, dp=data["dp"],
                               fsdp=data["fsdp"], zero=data["zero"], sequence_parallel=sp, pp_microbatches=0,
-                              pp_layers=pp_layers, hierarchical_allreduce=False,
-                              param_dtype="bf16" if strategy_fsdp and data["zero"] != 1 else "fp32")
+                              pp_layers=pp_layers, hierarchical_allreduce=False, param_dtype="fp32")
+    if data_parallel_strategy(par) == "fsdp":
+        par = dataclasses.replace(par, param_dtype="bf16")
     scope = "model" if comp and pp == 1 and tp == 1 and cp == 1 and data["fsdp"] == 1 else "blocks"
     compute = dataclasses.replace(base.compute, recompute=rc, compile=comp, compile_scope=scope)
     return dataclasses.replace(base, parallel=par, compute=compute, quant=dataclasses.replace(base.quant, float8=f8),
