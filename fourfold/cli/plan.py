@@ -111,7 +111,7 @@ def _inference(args, console: Console) -> int:
                           args.weight_dtype)
     table = Table(title=f"{base.model.preset or 'model'} inference on {args.gpu}, context {args.context}, "
                         f"weights {args.weight_dtype} (predicted, not yet validated)", title_justify="left")
-    for name in ("tp", "pp", "weights/GPU GiB", "KV/sequence GiB", "max sequences", "tok/s batch 1",
+    for name in ("tp", "pp", "weights/GPU GiB", "KV/sequence GiB (all GPUs)", "max sequences", "tok/s batch 1",
                  "tok/s max batch"):
         table.add_column(name, justify="right")
     for r in rows:

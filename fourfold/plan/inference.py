@@ -53,7 +53,8 @@ def _decode_step(m: ModelConfig, dev: Device, eff: Efficiency, link: Link, tp: i
     comm = 0.0
     if tp > 1:
         msg = batch * m.dim * 2
-        comm = 2 * m.n_layers / pp * (2 * (tp - 1) * link.latency + 2 * (tp - 1) / tp * msg / link.bandwidth)
+        # small messages: NCCL's low-latency one-shot all-reduce, about two link latencies each
+        comm = 2 * m.n_layers / pp * (2 * link.latency + 2 * (tp - 1) / tp * msg / link.bandwidth)
     return max(memory, compute) + comm
 
 
