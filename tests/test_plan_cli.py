@@ -21,18 +21,20 @@ def test_plan_prints_a_ranked_table_and_writes_a_toml_the_trainer_accepts(tmp_pa
     out = tmp_path / "best.toml"
     text = _run(["--model", "tiny", "--gpus", "4", "--gpus-per-node", "2", "--gpu", "h100", "--seq", "128",
                  "--global-batch", "8", "--top", "3", "--toml", str(out)])
-    assert "tokens/s/GPU" in text and "MFU" in text and "fourfold train --nproc N" in text
+    assert "tokens/s/GPU" in text and "MFU" in text and "torchrun --nnodes 2 --nproc-per-node 2" in text
     assert text.count("\n│ ") >= 3 or text.count("│ 3 ") == 1
     cfg = load_config(out)
     validate_layout(cfg, 4)
     assert cfg.model.dim == 128 and cfg.train.seq_len == 128 and cfg.train.global_batch == 8
     assert cfg.parallel.tp <= 2
-    overrides = text.split("fourfold train --nproc N ")[1].split("\n")[0].split()
+    overrides = text.split("-m fourfold train ")[1].split("\n")[0].split()
     again = load_config(None, overrides)  # the printed overrides build the same layout
     assert (again.parallel, again.compute, again.quant) == (cfg.parallel, cfg.compute, cfg.quant)
 
 
 def test_plan_for_inference_prints_capacity_and_speed():
+    one_node = _run(["--model", "tiny", "--gpus", "2", "--gpu", "h100", "--seq", "128", "--top", "1"])
+    assert "fourfold train --nproc 2 " in one_node
     text = _run(["--inference", "--model", "llama3-70b", "--gpu", "h100", "--context", "8192"])
     assert "max sequences" in text and "tok/s batch 1" in text and "does not fit" in text  # tp1 pp1: 140 GB
     assert "\n│  8 │" in text or "│ 8 " in text

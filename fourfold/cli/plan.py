@@ -85,7 +85,10 @@ def _train(args, console: Console) -> int:
                           "larger device, or a shorter sequence.")
     console.print(ranked_table(ranked, args.gpus, title))
     best = ranked[0].cfg
-    console.print("Run the best with:\n  fourfold train --nproc N " + " ".join(layout_overrides(best)), soft_wrap=True)
+    launch = (f"fourfold train --nproc {args.gpus}" if args.gpus <= per_node else
+              f"torchrun --nnodes {args.gpus // per_node} --nproc-per-node {per_node} --rdzv-backend c10d "
+              "--rdzv-endpoint HOST:PORT -m fourfold train")
+    console.print(f"Run the best with:\n  {launch} " + " ".join(layout_overrides(best)), soft_wrap=True)
     if args.toml:
         header = f"fourfold plan: best of {total} layouts on {args.gpus} x {args.gpu}, predicted " \
                  f"{ranked[0].prediction.step.seconds:.3f} s/step, {ranked[0].prediction.peak_bytes / 2**30:.1f} GiB"
