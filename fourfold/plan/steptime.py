@@ -29,6 +29,7 @@ from fourfold.models.llama import parameter_counts
 from fourfold.parallel.pipeline.schedules import SCHEDULES
 from fourfold.parallel.pipeline.split import stage_layer_counts
 from fourfold.plan.hardware import Device, Efficiency, Hardware, Link
+from fourfold.recompute import recomputed_blocks
 
 BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 STEP_OVERHEAD_S = 0.004
@@ -167,27 +168,23 @@ def stage_cost(cfg: Config, cluster: Cluster, layers: int, first: bool, last: bo
         else:
             cp_comm = layers * 2 * cluster.collective(link, p.cp, kv * p.cp, "all_gather")
 
+    ew_block_fwd = per_block * layers * tokens * scale / dev.hbm_bandwidth / 3
     if p.tp > 1 and not cfg.compute.compile:
         # Eager DTensor: each block's ops are dispatched on the CPU (redistributions included); the GPU waits
         # when a block's kernels take less time than their dispatch.
         dispatch = layers * (eff.tp_sp_block_overhead if p.sequence_parallel else eff.tp_block_overhead)
-        gpu = blocks_mm * 3 + attn_fwd * 3.5 + ew * (per_block * layers) / (per_block * layers + (per_loss if last else 0))
+        gpu = 3 * blocks_mm + 3.5 * attn_fwd + 3 * ew_block_fwd
         tp_comm += max(0.0, dispatch - gpu)
     forward = blocks_mm + head_mm + attn_fwd + ew_fwd + tp_comm / 2 + cp_comm / 3
     backward = 2 * (blocks_mm + head_mm) + 2.5 * attn_fwd + ew_bwd + tp_comm / 2 + 2 * cp_comm / 3
     mode = cfg.compute.recompute
-    block_fwd = blocks_mm + attn_fwd + per_block * layers * tokens * scale / dev.hbm_bandwidth / 3
-    if mode == "full":
-        recompute = block_fwd + tp_comm / 2 + cp_comm / 3
-    elif mode == "selective":
-        recompute = per_block * layers * tokens * scale / dev.hbm_bandwidth / 3 * 0.5
-    elif mode.startswith("every-"):
-        recompute = block_fwd / int(mode.split("-")[1])
-    else:
-        recompute = 0.0
+    share = len(recomputed_blocks(mode, layers)) / layers if layers else 0.0
+    if mode == "selective":  # matmul and attention outputs kept: about half the element-wise forward again
+        recompute = 0.5 * ew_block_fwd
+    else:  # full and every-N: the whole forward of the recomputed blocks, their collectives included
+        recompute = share * (blocks_mm + attn_fwd + ew_block_fwd + tp_comm / 2 + cp_comm / 3)
     parts = {"matmul": 3 * (blocks_mm + head_mm), "attention": 3.5 * attn_fwd, "elementwise": ew,
-             "tp_comm": tp_comm, "cp_comm": cp_comm, "recompute": recompute,
-             }
+             "tp_comm": tp_comm, "cp_comm": cp_comm, "recompute": recompute}
     return StageCost(forward, backward + recompute, parts)
 
 
