@@ -38,7 +38,7 @@ def describe(cfg: Config) -> str:
         parts[-1] += f"x{p.vpp} {p.pp_schedule}" if p.vpp > 1 else f" {p.pp_schedule}"
     strategy = data_parallel_strategy(p)
     if p.dp > 1 and p.fsdp > 1:
-        parts.append(f"hsdp {p.dp}x{p.fsdp}")
+        parts.append(f"hsdp {p.dp}x{p.fsdp}" + (f" zero{p.zero}" if p.zero != 3 else ""))
     elif p.fsdp > 1:
         parts.append(f"{'zero1' if strategy == 'zero1' else f'zero{p.zero}'} {p.fsdp}")
     elif p.dp > 1:
@@ -54,11 +54,11 @@ def ranked_table(ranked: list[Ranked], world: int, title: str = "") -> Table:
     for name, right in (("#", True), ("layout", False), ("micro", True), ("recompute", False), ("fp8", False),
                         ("step s", True), ("tokens/s/GPU", True), ("MFU", True), ("peak GiB", True),
                         ("needs GiB", True)):
-        table.add_column(name, justify="right" if right else "left")
+        table.add_column(name, justify="right" if right else "left", no_wrap=name in ("layout", "recompute"))
     for i, r in enumerate(ranked, 1):
         pred = r.prediction
         table.add_row(str(i), describe(r.cfg), str(r.cfg.train.micro_batch), r.cfg.compute.recompute,
-                      "yes" if r.cfg.quant.float8 else "", f"{pred.step.seconds:.3f}",
+                      "yes" if r.cfg.quant.float8 else "", f"{pred.step.seconds:.4g}",
                       f"{pred.tokens_per_s_per_gpu:,.0f}", f"{pred.mfu:.1%}", f"{pred.peak_bytes / 2**30:.1f}",
                       f"{pred.needed_bytes / 2**30:.1f} / {pred.device_bytes / 2**30:.0f}")
     return table

@@ -20,7 +20,7 @@ from typing import Iterator
 
 from fourfold.config import Config, validate
 from fourfold.errors import ConfigError, LayoutError
-from fourfold.layout import data_parallel_strategy, validate_layout
+from fourfold.layout import data_parallel_strategy, grad_accumulation_steps, validate_layout
 from fourfold.plan.hardware import Hardware
 from fourfold.plan.predict import Prediction, predict
 from fourfold.plan.steptime import local_params, rank_layers
@@ -134,13 +134,22 @@ def state_bytes(cfg: Config) -> float:
     return local * 16 / shards
 
 
-def stream_bytes(cfg: Config) -> float:
-    """A quick lower bound on one rank's activations: the fp32 residual stream every block keeps for
-    backward (whatever the recompute mode), for one micro-batch through the largest pipeline rank."""
+def activation_floor(cfg: Config) -> float:
+    """A quick lower bound on one rank's activations: the fp32 residual stream every block keeps (whatever the
+    recompute mode) and, unless blocks are fully recomputed, q, k, v, the attention output and the two MLP
+    projections each block keeps in bf16 at least (compiled or not), for the micro-batches the first
+    pipeline stage holds at once (1: no pipeline; every micro-batch under GPipe; up to pp under 1F1B)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    tokens = t.micro_batch * t.seq_len / p.cp / (p.tp if p.tp > 1 and p.sequence_parallel else 1)
+    tokens = t.micro_batch * t.seq_len / p.cp
+    norm_tokens = tokens / (p.tp if p.tp > 1 and p.sequence_parallel else 1)
     layers = max(sum(chunks) for chunks in rank_layers(cfg))
-    return layers * tokens * m.dim * 4
+    per_block = norm_tokens * m.dim * 4
+    if cfg.compute.recompute != "full":
+        width = (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim + 2 * m.ffn_dim
+        per_block += tokens * width / p.tp * 2
+    n_micro = grad_accumulation_steps(cfg)
+    in_flight = 1 if p.pp == 1 else (n_micro if p.pp_schedule == "gpipe" else min(n_micro, p.pp))
+    return layers * per_block * in_flight
 
 
 def rank_layouts(base: Config, world: int, hw: Hardware, device: str, gpus_per_node: int, interconnect: str,
@@ -163,7 +172,7 @@ def rank_layouts(base: Config, world: int, hw: Hardware, device: str, gpus_per_n
     for _, _, cfg in timed:
         if len(fitting) >= top or checked >= max_memory_checks:
             break
-        if state_bytes(cfg) + stream_bytes(cfg) > dev.memory_bytes:  # cannot fit, whatever the rest
+        if state_bytes(cfg) + activation_floor(cfg) > dev.memory_bytes:  # cannot fit, whatever the rest
             continue
         checked += 1
         pred = predict(cfg, world, hw, device, gpus_per_node, interconnect)
