@@ -68,11 +68,17 @@ class ModelConfig:
     """Share the token embedding with the output head."""
     init_std: float = setting(0.02, ge=0)
     """Standard deviation of the normal initialisation of linear and embedding weights."""
+    head_size: int = setting(0, ge=0)
+    """Size of one attention head; 0 derives dim // n_heads (imported models may set another, e.g. Gemma-style)."""
+    attention_bias: bool = False
+    """Biases on the q, k, v and output projections of attention (Hugging Face's attention_bias)."""
+    mlp_bias: bool = False
+    """Biases on the three SwiGLU projections (Hugging Face's mlp_bias)."""
 
     @property
     def head_dim(self) -> int:
-        """Size of one attention head: dim // n_heads."""
-        return self.dim // self.n_heads
+        """Size of one attention head: head_size when set, else dim // n_heads."""
+        return self.head_size or self.dim // self.n_heads
 
 
 @dataclass
@@ -142,6 +148,9 @@ class TrainConfig:
     """Steps between validation passes; 0 disables."""
     val_batches: int = setting(4, ge=0)
     """Micro-batches per validation pass."""
+    max_bad_steps: int = setting(20, ge=0)
+    """Stop after this many skipped steps in a row (a step whose loss or gradient norm is NaN/inf is skipped on
+    every rank); 0 never stops. fp16's loss scaler skips a few steps while it backs off, so keep it above ~16."""
 
 
 @dataclass
@@ -215,7 +224,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """The [checkpoint] section: when checkpoints are saved and how many are kept."""
+    """The [checkpoint] section: when and how checkpoints are saved, how many are kept, and initial weights."""
 
     every: int = setting(100, ge=0)
     """Steps between checkpoints; 0 saves only at the end."""
@@ -223,6 +232,13 @@ class CheckpointConfig:
     """Keep the newest K checkpoints; 0 keeps them all."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
+    async_save: bool = False
+    """Save in the background: training stalls only while this rank's state is copied to host memory."""
+    verify: bool = True
+    """Check every file's sha256 against the checkpoint's COMPLETE marker before loading (sizes are always checked)."""
+    init_from: str = ""
+    """Start from the model weights (not optimizer, step or data position) of this fourfold checkpoint or run
+    directory, under any layout; the [model] shape comes from its config (explicit [model] keys must agree)."""
 
 
 @dataclass
@@ -240,6 +256,31 @@ class LogConfig:
 
 
 @dataclass
+class FaultConfig:
+    """The [fault] section: process-group timeout, checkpoint on SIGTERM, and fault injection for tests and demos.
+
+    Injected faults fire only on a job's first attempt (torchrun's TORCHELASTIC_RESTART_COUNT 0), so a job
+    launched with --max-restarts recovers from them; see fourfold/train/faults.py.
+    """
+
+    timeout_s: float = setting(1800.0, gt=0)
+    """Seconds a collective (or the start-up rendezvous) may wait for another rank before the job fails; it
+    must cover the slowest step and start-up phase (tokenizing, loading a checkpoint, compiling)."""
+    checkpoint_on_sigterm: bool = True
+    """On SIGTERM (a preemption, torchrun shutting down), finish the current step, save a checkpoint, exit 143."""
+    kill_at_step: int = setting(0, ge=0)
+    """Fault injection: kill rank `kill_rank` with SIGKILL as step N starts (0: never)."""
+    kill_rank: int = setting(0, ge=0)
+    """Fault injection: the rank `kill_at_step` kills."""
+    nan_at_step: int = setting(0, ge=0)
+    """Fault injection: make rank `nan_rank`'s loss NaN at step N (0: never), to exercise step skipping."""
+    nan_steps: int = setting(1, ge=1)
+    """Fault injection: how many steps in a row, from `nan_at_step`, get a NaN loss."""
+    nan_rank: int = setting(0, ge=0)
+    """Fault injection: the rank whose loss `nan_at_step` poisons."""
+
+
+@dataclass
 class Config:
     """A whole run's configuration, one dataclass per section."""
 
@@ -252,6 +293,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict:
         """The config as nested plain dicts, one per section."""
@@ -432,12 +474,12 @@ def validate(cfg: Config) -> None:
         for f in fields(SECTIONS[section]):
             check_value(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
     m, t, c = cfg.model, cfg.train, cfg.compute
-    if m.dim % m.n_heads:
+    if m.dim % m.n_heads and not m.head_size:
         raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}); change model.dim "
                           "or model.n_heads.")
     if m.head_dim % 2:
-        raise ConfigError(f"The head size model.dim / model.n_heads = {m.head_dim} must be even for rotary "
-                          "embeddings; change model.dim or model.n_heads.")
+        raise ConfigError(f"The head size (model.head_size, or model.dim / model.n_heads) = {m.head_dim} must be even "
+                          "for rotary embeddings; change model.head_size, model.dim or model.n_heads.")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads}); pick a "
                           "divisor of n_heads (n_heads itself for plain multi-head attention).")

@@ -2,12 +2,20 @@
 
 Launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set) this initialises NCCL on
 GPUs or gloo on CPUs; run plainly it is a single process and creates no process group.
+
+Restarts (torchrun --max-restarts): torchrun's c10d rendezvous keeps one TCP store alive for the whole job
+and hands every attempt's workers the same MASTER_PORT, with no per-attempt key prefix. A restarted
+worker's process group then finds the previous attempt's keys (gloo's peer addresses) and may connect to
+a dead peer's port (`connectFullMesh ... Connection refused`) or wait on a stale counter. The process group
+here therefore runs on that store under a prefix naming the attempt (TORCHELASTIC_RESTART_COUNT), so every
+attempt starts from empty keys.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -60,14 +68,41 @@ def world_from_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
-def init_distributed(device_name: str = "auto") -> DistEnv:
-    """Initialise torch.distributed if launched with several ranks; call after the layout is validated."""
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (TORCHELASTIC_RESTART_COUNT; 0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store of this attempt under torchrun (keys prefixed by the attempt), or None outside it.
+
+    Under torchrun's shared store (the default) every worker is a client of the agent's store; with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0 hosts a fresh one, as `env://` would.
+    """
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout, multi_tenant=not agent_store)
+    return dist.PrefixStore(f"fourfold/attempt_{restart_count()}", store)
+
+
+def init_distributed(device_name: str = "auto", timeout_s: float = 1800.0) -> DistEnv:
+    """Initialise torch.distributed if launched with several ranks; call after the layout is validated.
+
+    `timeout_s` bounds every collective and the rendezvous (fault.timeout_s): a rank that stops answering
+    fails the job after that long instead of stalling it for the backend's default.
+    """
     rank, world, local = world_from_env()
     device = pick_device(device_name, local)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
+        timeout = timedelta(seconds=timeout_s)
+        store = attempt_store(rank, world, timeout)
+        if store is not None:
+            kwargs["store"] = store
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return DistEnv(rank=rank, world_size=world, local_rank=local, device=device)
 
 

@@ -20,6 +20,10 @@ class LayoutError(ConfigError):
     """A parallel layout does not fit the world size or the model; raised before any process group exists."""
 
 
+class TrainingError(FourfoldError):
+    """Training cannot go on as configured (e.g. too many NaN/inf steps in a row); the message says what to change."""
+
+
 class CheckpointError(FourfoldError):
     """A checkpoint is missing, truncated or does not match the model or optimizer it is loaded into."""
 

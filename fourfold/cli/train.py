@@ -1,16 +1,20 @@
 """`fourfold train`: train with a config and dotted overrides, in this process or relaunched under torchrun.
 
-    fourfold train --config configs/tiny.toml --out runs/tiny [--resume [PATH]] [--nproc N] [--section.key value ...]
+    fourfold train --config configs/tiny.toml --out runs/tiny [--resume [PATH]] [--nproc N [--max-restarts K]]
+                   [--section.key value ...]
+
+With --max-restarts K (torchrun's own option, also usable as `torchrun --max-restarts K -m fourfold train`),
+a job whose rank dies is restarted up to K times and each restart resumes from the newest complete
+checkpoint of --out (fourfold/train/restart.py). SIGTERM saves a checkpoint and exits with 143.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 from rich.console import Console
 
-from fourfold.cli.common import ArgumentParser
+from fourfold.cli.common import ArgumentParser, launch_torchrun, without
 from fourfold.errors import ConfigError
 
 
@@ -22,40 +26,18 @@ def _train_parser() -> ArgumentParser:
     p.add_argument("--out", help="run directory (default runs/<timestamp>)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from the latest checkpoint in --out, or from the given checkpoint directory")
-    p.add_argument("--nproc", type=int, default=None, help="start N local processes with torchrun (gloo or NCCL)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="start N local processes with torchrun (gloo or NCCL)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="with --nproc: restart the job up to K times when a rank dies, resuming from the newest "
+                        "checkpoint in --out")
     p.add_argument("--sample", default="def ",
                    help="prompt for the sample printed after training (single process); '' to skip")
     return p
 
 
-def _launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Re-run this command under torchrun (in this process, as `torchrun` itself does) with `nproc` workers.
-
-    A worker that stops on a user error prints its one paragraph and exits with 2; this returns 2 then
-    instead of letting torchrun print its own traceback.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            rest.append(a)
-    try:
-        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "fourfold", "train", *rest]))
-    except ChildFailedError as e:
-        if any(f.exitcode == 2 for f in e.failures.values()):
-            return 2  # the worker has said what to change
-        print(e.format_msg(), file=sys.stderr)
-        return 1
-    except SignalException as e:
-        return 128 + int(e.sigval)
-    return 0
+def _launch_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """Re-run `fourfold train` under torchrun with `nproc` workers (fourfold.cli.common.launch_torchrun)."""
+    return launch_torchrun("train", nproc, without(argv, ("--nproc", "--max-restarts")), max_restarts)
 
 
 def _check_train_inputs(cfg, args, world: int, out: str) -> None:
@@ -79,12 +61,17 @@ def main(argv: list[str], console: Console) -> int:
     torchrun; a single process prints a summary and a sample from the final checkpoint.
     """
     from fourfold.config import load_config
+    from fourfold.distributed import shutdown
     from fourfold.train.trainer import default_run_dir, quiet_nonzero_ranks, train
 
     args, overrides = _train_parser().parse_known_args(argv)
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: the number of processes must be at least 1; pass --nproc N with "
                           "N >= 1 (1 runs in this process), or leave it out.")
+    if args.max_restarts < 0 or (args.max_restarts and not (args.nproc and args.nproc > 1)):
+        raise ConfigError(f"--max-restarts {args.max_restarts}: pass a number K >= 0 together with --nproc N "
+                          "(N >= 2), which launches torchrun; for other launches give torchrun its own "
+                          "`--max-restarts K` (`torchrun --max-restarts K ... -m fourfold train ...`).")
     cfg = load_config(args.config, overrides)
     under_torchrun = "RANK" in os.environ
     launch = bool(args.nproc and args.nproc > 1 and not under_torchrun)
@@ -94,9 +81,12 @@ def main(argv: list[str], console: Console) -> int:
     out = args.out or str(default_run_dir())
     _check_train_inputs(cfg, args, world, out)
     if launch:
-        return _launch_torchrun(args.nproc, argv if args.out else [*argv, "--out", out])
+        return _launch_torchrun(args.nproc, argv if args.out else [*argv, "--out", out], args.max_restarts)
     with quiet_nonzero_ranks():
         summary = train(cfg, out, resume=args.resume or False, console=console)
+    shutdown()
+    if summary.stopped_by is not None:
+        return 128 + summary.stopped_by
     single = int(os.environ.get("WORLD_SIZE", "1")) == 1
     if single and summary.first_loss is not None:
         console.print(f"[bold green]done[/]: loss {summary.first_loss:.3f} -> {summary.last_loss:.3f}"

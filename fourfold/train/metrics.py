@@ -1,14 +1,20 @@
 """Training metrics: JSON-lines records, optional TensorBoard, and the rich console progress bar.
 
 Only rank 0 creates a writer; `metrics.jsonl` holds one JSON object per record with `step`, `loss`,
-`lr`, `grad_norm`, `tokens_per_s`, `mfu`, `peak_mem_bytes` (validation records carry `val_loss` and
-`val_ppl`).
+`lr`, `grad_norm`, `tokens_per_s`, `mfu`, `peak_mem_bytes`, `skipped_steps` (validation records carry
+`val_loss` and `val_ppl`).
+
+One history per run directory: a writer opened at step N (a resumed run, or N = 0 for a new one) first drops
+the records of steps after N, which the run is about to redo, and any line a crash cut short; the rewrite
+goes to a temporary file renamed over the old one, so a crash leaves either file whole. TensorBoard
+events of those steps are purged the same way (`purge_step`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -20,8 +26,10 @@ from fourfold.units import format_bytes
 class MetricsWriter:
     """Appends records to run_dir/metrics.jsonl and, if asked and installed, TensorBoard."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False, console: Console | None = None):
+    def __init__(self, run_dir: Path, tensorboard: bool = False, console: Console | None = None,
+                 start_step: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
+        drop_records_after(self.path, start_step)
         self.file = open(self.path, "a", buffering=1)
         self.tb = None
         if tensorboard:
@@ -32,7 +40,7 @@ class MetricsWriter:
                     "[yellow]log.tensorboard is on but tensorboard is not installed "
                     "(pip install 'fourfold[tb]'); writing metrics.jsonl only.[/]")
             else:
-                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
 
     def write(self, record: dict) -> None:
         """Append one record (non-finite floats become null), and its numbers to TensorBoard when enabled."""
@@ -54,6 +62,27 @@ def _json_number(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """Keep only the records of `path` (a metrics.jsonl) at steps <= `step`, and whole lines; atomically."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    with open(partial, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -22,10 +22,13 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from fourfold.checkpoint.store import load_checkpoint, resolve_resume, save_checkpoint
+from fourfold.checkpoint.async_save import AsyncSaver
+from fourfold.checkpoint.init_from import config_with_init_model, load_init_weights
+from fourfold.checkpoint.resume import check_data_position, data_signature, resume_from
+from fourfold.checkpoint.store import save_checkpoint
 from fourfold.config import Config
 from fourfold.config_text import to_toml
-from fourfold.distributed import DistEnv, init_distributed, world_from_env
+from fourfold.distributed import DistEnv, init_distributed, restart_count, world_from_env
 from fourfold.hardware import peak_flops, peak_memory_bytes, reset_peak_memory
 from fourfold.layout import grad_accumulation_steps, validate_layout
 from fourfold.mesh import ParallelMesh
@@ -37,7 +40,10 @@ from fourfold.plan.memory import MEASURED_KEYS, estimate_memory
 from fourfold.plan.recompute_cost import recompute_summary, without_recompute
 from fourfold.plan.report import end_of_run_line
 from fourfold.train.dataset import build_data
+from fourfold.train.faults import FaultInjector
+from fourfold.train.guard import StepGuard
 from fourfold.train.metrics import MetricsWriter, TrainProgress
+from fourfold.train.restart import resume_target, restart_message, work_left
 from fourfold.train.runner import StepResult, StepRunner, build_runner
 from fourfold.units import format_bytes
 
@@ -53,6 +59,8 @@ class TrainSummary:
     val_loss: float | None = None
     tokens_per_s: float | None = None
     losses: list[float] = field(default_factory=list)
+    stopped_by: int | None = None
+    """The signal (SIGTERM) that stopped the run early after a checkpoint, else None."""
 
 
 def default_run_dir() -> Path:
@@ -69,10 +77,11 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool | str = False, console: Console | None = None):
+        cfg = config_with_init_model(cfg)  # checkpoint.init_from: the model's shape is the checkpoint's
         self.cfg = cfg
         # The layout is checked against the world size before any process group exists.
         validate_layout(cfg, world_from_env()[1])
-        self.env: DistEnv = init_distributed(cfg.compute.device)
+        self.env: DistEnv = init_distributed(cfg.compute.device, cfg.fault.timeout_s)
         self.console = console or Console()
         self.is_main = self.env.is_main
         self.mesh = ParallelMesh.build(cfg, self.env.world_size, self.env.rank, self.env.device.type)
@@ -83,9 +92,18 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self.step = 0
+        self.loaded_from: Path | None = None  # the checkpoint this run resumed from: keep-K never deletes it
+        self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
+        if cfg.checkpoint.init_from:
+            load_init_weights(cfg.checkpoint.init_from, self.runner.checkpoint_modules, self.run_dir)
+            self._log(f"Initial weights from {cfg.checkpoint.init_from}.")
+        self._setup_faults()
+        resume = resume_target(resume, self.run_dir, self.attempt)  # a torchrun restart resumes on its own
         if resume:
             self._resume(resume)
-        self.metrics = MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console) if self.is_main else None
+        self._check_work_left(resume)
+        self.metrics = (MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console, start_step=self.step)
+                        if self.is_main else None)
 
     # ----- set-up -------------------------------------------------------------------------------
     def _setup_run_dir(self) -> None:
@@ -111,17 +129,43 @@ class Trainer:
         self.runner: StepRunner = build_runner(cfg, self.mesh, self.dp, chunks, self.device)
         self.model, self.optimizer, self.scaler = self.runner.model, self.runner.optimizer, self.runner.scaler
 
+    def _data_signature(self) -> dict:
+        """What the saved data position depends on (checked on resume)."""
+        dataset = getattr(self.train_batches, "dataset", None)
+        sequences = len(dataset) if hasattr(dataset, "__len__") else None
+        return data_signature(self.cfg.train.global_batch, self.cfg.train.seq_len, self.cfg.data.path, sequences)
+
     def _resume(self, resume: bool | str) -> None:
-        path = resolve_resume(self.run_dir, resume)
+        path, meta = resume_from(self.run_dir, resume, self.runner.checkpoint_modules, self.optimizer, self._log,
+                                 verify=self.cfg.checkpoint.verify)
         if path is None:
             self._log(f"[yellow]--resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting from step 0.[/]")
             return
-        meta = load_checkpoint(path, self.runner.checkpoint_modules, self.optimizer)
+        check_data_position(meta, path, self._data_signature())
+        self.loaded_from = path
         self.step = int(meta["step"])
         self.train_batches.load_state_dict(meta["data"])
         if self.scaler is not None and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])
         self._log(f"Resumed from {path} at step {self.step}.")
+        self.guard.load_state_dict(meta.get("guard", {}))  # skip counters (fourfold/train/guard.py)
+
+    # ----- faults, restarts, skipped steps (fourfold/train/{faults,guard,restart}.py) -------------
+    def _setup_faults(self) -> None:
+        self.attempt = restart_count()
+        self.guard = StepGuard(self.cfg.train.max_bad_steps, self.device, self.cfg.fault.checkpoint_on_sigterm)
+        self.faults = FaultInjector(self.cfg.fault, self.env.rank, self.env.world_size, self.attempt)
+        self.faults.attach(self.runner.chunks)
+        self.finished = False
+
+    def _check_work_left(self, resume: bool | str) -> None:
+        message = restart_message(self.attempt, resume, self.step)
+        if message:
+            self._log(message)
+        if self.loaded_from is not None:
+            self.finished = not work_left(self.step, self.cfg.train.steps, self.attempt > 0, str(self.loaded_from))
+            if self.finished:
+                self._log(f"The run already reached train.steps ({self.step}); nothing left to do.")
 
     # ----- helpers ------------------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -143,11 +187,16 @@ class Trainer:
         set_lr(self.optimizer, lr_at(self.step, cfg.optim, cfg.train.steps))
         if micro is None:
             micro = self.train_batches.next_step()
+        self.faults.before_step(self.step + 1)
         result = self.runner.step(micro)
-        if not result.skipped:
+        skipped = self.guard.check(result.loss, result.grad_norm, result.skipped, self.step + 1)
+        if not skipped:
             self.optimizer.step()
+        else:
+            self._log(f"[yellow]step {self.step + 1}: loss or gradients not finite; optimizer step skipped "
+                      f"({self.guard.bad_in_a_row} in a row, train.max_bad_steps {cfg.train.max_bad_steps})[/]")
         self.optimizer.zero_grad(set_to_none=True)
-        return result
+        return result._replace(skipped=skipped)
 
     def run(self, until: int | None = None) -> TrainSummary:
         """Train to cfg.train.steps (or stop early after step `until`, as an interrupted run would)."""
@@ -159,8 +208,9 @@ class Trainer:
         summary = TrainSummary(run_dir=self.run_dir, steps=cfg.train.steps)
         reset_peak_memory(self.device)
         t_last, steps_since = time.perf_counter(), 0
+        self.guard.watch_sigterm()
         try:
-            while self.step < stop:
+            while self.step < stop and not self.finished:
                 loss, grad_norm, skipped = self.train_step()
                 self.step += 1
                 steps_since += 1
@@ -178,17 +228,32 @@ class Trainer:
                 if cfg.train.val_every and (self.step % cfg.train.val_every == 0 or last) and self.val_batches:
                     summary.val_loss = self._validate()
                     t_last = time.perf_counter()
-                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or (last and cfg.checkpoint.save_final):
+                if ((cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or (last and cfg.checkpoint.save_final)
+                        or self.guard.stop_signal):
                     self.save()
                     t_last = time.perf_counter()
                 progress.update(self.step, record)
+                if self.guard.stop_signal:
+                    summary.stopped_by = self._stop_on_signal()
+                    break
+            self._finish_saving()
             self._report_runner()
             self._log(end_of_run_line(cfg, self.env.world_size, self.device, summary.tokens_per_s))
         finally:
+            self.guard.unwatch_sigterm()
+            if self.saver is not None and self.saver.pending:
+                with contextlib.suppress(Exception):  # training failed: let a save in flight finish, keep its error
+                    self.saver.wait()
             progress.close()
             if self.metrics is not None:
                 self.metrics.close()
         return summary
+
+    def _stop_on_signal(self) -> int:
+        """The run stops early after the checkpoint just written; returns the signal."""
+        self._log(f"Stopped by signal {self.guard.stop_signal} after step {self.step}; checkpoint saved in "
+                  f"{self.run_dir / 'checkpoints'}. Continue with --resume (or a restart under torchrun).")
+        return self.guard.stop_signal
 
     def _report_runner(self) -> None:
         """The runner's end-of-run report (e.g. the pipeline bubble), into the metrics and onto the console."""
@@ -214,9 +279,9 @@ class Trainer:
             "mfu": mfu,
             "peak_mem_bytes": peak_memory_bytes(self.device),
         }
+        record["skipped_steps"] = self.guard.skipped_steps
         if self.scaler is not None:
             record["loss_scale"] = float(self.scaler.scale)
-            record["skipped_steps"] = self.scaler.skipped_steps
         if self.metrics is not None:
             self.metrics.write(record)
         return record
@@ -231,15 +296,39 @@ class Trainer:
         return val
 
     def save(self) -> Path:
-        """Write a checkpoint of the current step (every rank takes part); returns its directory."""
-
+        """Write a checkpoint of the current step (every rank takes part; with checkpoint.async_save in the
+        background); returns its directory. Logs ckpt_stall_s (training stalled) and ckpt_save_s (writing)."""
         meta = {"step": self.step, "config": self.cfg.to_dict(), "data": self.train_batches.state_dict(),
-                "tokenizer": self.cfg.data.tokenizer}
+                "data_signature": self._data_signature(), "tokenizer": self.cfg.data.tokenizer}
         if self.scaler is not None:
             meta["loss_scaler"] = self.scaler.state_dict()
-        writer, shard = self.runner.checkpoint_shard
-        return save_checkpoint(self.run_dir, self.step, self.runner.checkpoint_modules, self.optimizer, meta,
-                               self.cfg.checkpoint.keep, writer=writer, shard_name=shard)
+        meta["guard"] = self.guard.state_dict()
+        args = (self.run_dir, self.step, self.runner.checkpoint_modules, self.optimizer, meta,
+                self.cfg.checkpoint.keep)
+        protect = [self.loaded_from] if self.loaded_from else []
+        begin = time.perf_counter()
+        if self.saver is None:
+            path = save_checkpoint(*args, protect=protect)
+            seconds = time.perf_counter() - begin
+            self._write_metrics({"step": self.step, "ckpt_stall_s": seconds, "ckpt_save_s": seconds})
+            return path
+        previous = self.saver.wait()
+        if previous is not None:
+            self._write_metrics({"step": self._saving_step, "ckpt_save_s": previous})
+        self.saver.save(*args, protect=protect)
+        self._saving_step = self.step
+        self._write_metrics({"step": self.step, "ckpt_stall_s": time.perf_counter() - begin})
+        return self.run_dir / "checkpoints" / f"step_{self.step}"
+
+    def _finish_saving(self) -> None:
+        """Wait for an asynchronous save still in flight (the end of training)."""
+        seconds = self.saver.wait() if self.saver is not None else None
+        if seconds is not None:
+            self._write_metrics({"step": self._saving_step, "ckpt_save_s": seconds})
+
+    def _write_metrics(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
 
     def _print_start(self) -> None:
         if not self.is_main:
