@@ -36,6 +36,18 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
+DEVICE_KINDS = {"H200": "h200", "H100": "h100", "A100": "a100", "B200": "b200"}
+"""Substring of torch.cuda.get_device_name() -> the device name in the planner's hardware table."""
+
+
+def device_kind(device: torch.device) -> str | None:
+    """The planner's name for `device` ('cpu', 'h100', ...), or None for a GPU the table does not know."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    return next((kind for key, kind in DEVICE_KINDS.items() if key in name), None)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory so far: the CUDA allocator's peak on GPUs, the process's peak resident set on CPUs."""
     if device.type == "cuda":

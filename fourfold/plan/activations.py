@@ -44,9 +44,11 @@ The attention kernel decides what attention keeps:
   all-gather attention keeps the gathered K and V (modelled, not measured).
 
 Compiled cross-entropy (compute.compile without loss_chunk): keeps the logits and a log-sum-exp per token
-(modelled). Not modelled: what torch.compile saves inside the blocks (inductor chooses), quant.float8
-(which keeps float8 copies of the matmul inputs), the CUDA caching allocator's fragmentation and the
-CUDA/NCCL context itself.
+(modelled). Compiled blocks (compute.compile) keep what inductor's partitioner saves, which is less than
+eager: `_compiled_block` lists it; quant.float8 keeps float8 copies of the linears' inputs and weights there
+(modelled for compiled blocks, where every recorded float8 run is). Not modelled: the CUDA caching
+allocator's fragmentation and the CUDA/NCCL context itself (`fourfold.plan.predict` adds both to decide
+whether a layout fits).
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class Shapes:
     autocast: torch.dtype | None
     kernel: str            # attention kernel: cpu, flash, efficient, math, ring, allgather
     gathered: bool         # sequence parallel: linear inputs are all-gathered from Tn to T tokens
+    compiled: bool = False  # compute.compile: inductor's partitioner decides what each block keeps
+    float8: bool = False    # quant.float8: block linears keep float8 (1-byte) copies of their inputs and weights
 
     @property
     def t(self) -> int:
@@ -152,12 +156,40 @@ def _attention(sh: Shapes, keep_inputs: bool) -> int:
     return qkv + expand + sh.b * sh.hq * sh.s * sh.s * a + 2 * out
 
 
+def _compiled_block(sh: Shapes, mode: str, x_dtype: torch.dtype, weight_elems: int) -> int:
+    """What a compiled block keeps (inductor's min-cut partitioner recomputes the element-wise work).
+
+    none: both rsqrt statistics, the two norm outputs as the linears read them, q/k (rotated) and v, the
+    attention output and log-sum-exp, the w1 and w3 outputs, the SwiGLU product (w2's input) and the residual
+    after attention, and the block's weights as its matmuls read them (the autocast copies; float8 copies under
+    float8). selective: q, k, v, the attention output and log-sum-exp, the w1 and w3 outputs, the weights.
+    float8 (none): the linears' inputs kept once in float8 (1 byte), the attention tensors, the statistics and
+    the residual; the partitioner does not count torch._scaled_mm as a matmul it must not repeat, so it
+    recomputes the w1 and w3 outputs from their float8 inputs instead of keeping them. Derived from the graph,
+    checked against the recorded H200 peaks (docs/planner.md)."""
+    a, t = dtype_size(sh.linear), sh.t
+    qkv = t * (sh.hq + 2 * sh.hkv) * sh.hd * a
+    attn = t * sh.hq * sh.hd * a + sh.b * sh.hq * sh.s * 4
+    swiglu = 2 * t * sh.f * a
+    cast = sh.autocast is not None and sh.compute != sh.autocast  # weights cast to the autocast dtype
+    weights = weight_elems if sh.float8 else (weight_elems * dtype_size(sh.autocast) if cast else 0)
+    if mode == "selective":
+        return qkv + attn + swiglu + weights
+    r = torch.promote_types(x_dtype, sh.linear)
+    stats = 2 * sh.tn * 4 + sh.tn * sh.d * dtype_size(r)
+    if sh.float8:
+        return stats + qkv + attn + 2 * t * sh.d + t * sh.hq * sh.hd + t * sh.f + weights
+    return stats + 2 * t * sh.d * a + qkv + attn + swiglu + t * sh.f * a + weights
+
+
 def _block(sh: Shapes, mode: str, x_dtype: torch.dtype, weight_elems: int) -> int:
     """Bytes one block keeps for backward under `mode`, its input and output (the residual stream) excluded."""
     a = dtype_size(sh.linear)
     t = sh.t
     if mode == "full":
         return 0
+    if sh.compiled:
+        return _compiled_block(sh, mode, x_dtype, weight_elems)
     if mode == "selective":
         mm = t * (sh.hq + 2 * sh.hkv) * sh.hd * a + 2 * t * sh.d * a + 2 * t * sh.f * a
         return mm + _attention(sh, keep_inputs=False)
@@ -216,7 +248,8 @@ def tensor_shapes(cfg: Config, strategy: str) -> Shapes:
     return Shapes(b=t.micro_batch, s=s, s_full=t.seq_len, tn=t.micro_batch * s // (p.tp if sp else 1),
                    d=m.dim, hd=m.head_dim, hq=m.n_heads // p.tp, hkv=m.n_kv_heads // p.tp,
                    f=m.ffn_dim // p.tp, v=m.vocab_size // p.tp, master=master, compute=compute, linear=linear,
-                   autocast=autocast, kernel=kernel, gathered=sp)
+                   autocast=autocast, kernel=kernel, gathered=sp, compiled=cfg.compute.compile,
+                   float8=cfg.quant.float8)
 
 
 def chunk_activations(cfg: Config, sh: Shapes, layers: range, first: bool, last: bool,

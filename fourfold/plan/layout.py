@@ -158,8 +158,24 @@ def chunk_parameters(chunk: nn.Module, tp: int, sequence_parallel: bool) -> list
     return out
 
 
+_CHUNKS: dict[tuple, list[Chunk]] = {}
+"""rank_chunks' answers by everything they depend on: a layout search asks for the same split many times."""
+
+
 def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
-    """The chunks pipeline rank `pp_rank` holds (chunk c is stage c * pp + pp_rank), as `build_model` splits them."""
+    """The chunks pipeline rank `pp_rank` holds (chunk c is stage c * pp + pp_rank), as `build_model` splits them.
+
+    Do not modify the result: it is shared with later calls for the same model and split."""
+    p = cfg.parallel
+    key = (repr(cfg.model), p.pp, p.vpp, tuple(p.pp_layers or ()), p.tp, p.sequence_parallel, pp_rank)
+    if key not in _CHUNKS:
+        if len(_CHUNKS) >= 512:
+            _CHUNKS.pop(next(iter(_CHUNKS)))
+        _CHUNKS[key] = _rank_chunks(cfg, pp_rank)
+    return _CHUNKS[key]
+
+
+def _rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
     p = cfg.parallel
     model = meta_model(cfg.model)
     modules = split_pipeline(model, pp_rank, p.pp, p.vpp, p.pp_layers) if p.pp > 1 else [model]

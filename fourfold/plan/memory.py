@@ -49,7 +49,7 @@ import torch
 from fourfold.config import Config
 from fourfold.distributed import pick_device
 from fourfold.errors import ConfigError
-from fourfold.layout import data_parallel_strategy, validate_layout
+from fourfold.layout import data_parallel_strategy, grad_accumulation_steps, validate_layout
 from fourfold.models.llama import Llama
 from fourfold.precision import master_dtype
 from fourfold.ops.cross_entropy import cross_entropy
@@ -88,6 +88,13 @@ class MemoryEstimate:
     workspace: int
     step_workspace: int = 0
     """Temporaries of the optimizer step (foreach AdamW's sqrt of exp_avg_sq); activations are freed by then."""
+    grads_held: bool = True
+    """Gradients exist when backward starts: DDP's persistent buckets, or a step of several micro-batches. False
+    when `zero_grad(set_to_none=True)` freed them and this micro-batch is the step's only one: they then grow
+    as activations are freed, and the peak is the larger of backward's start and its end (every gradient)."""
+    exclusive_workspace: int = 0
+    """The part of `workspace` that never coexists with the loss region's peak (the block rematerialised in
+    backward and its gradient buffers come after the logits' gradients are freed)."""
     logits_saved: int = 0
     """The part of `logits` autograd keeps from forward to backward (log-probabilities, or the chunked loss's
     stored gradient), which `saved_activation_bytes` counts."""
@@ -110,8 +117,11 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         """Peak estimate: every component at its largest at once (backward start), or the optimizer step."""
-        steady = self.params + self.grads + self.optimizer
-        return steady + max(self.activations + self.logits + self.workspace, self.step_workspace)
+        backward = self.activations + self.logits + self.workspace - min(self.logits, self.exclusive_workspace)
+        if self.grads_held:
+            return self.params + self.grads + self.optimizer + max(backward, self.step_workspace)
+        late = self.grads + max(self.step_workspace, self.exclusive_workspace)
+        return self.params + self.optimizer + max(backward, late)
 
     def compare(self, measured: dict[str, int]) -> "MemoryEstimate":
         """A copy with measured bytes attached, for `table()`'s measured column.
@@ -151,7 +161,7 @@ class MemoryEstimate:
             "logits": "logits, log-probs and grads at backward start",
             "workspace": "all-gathers, recomputed block, grad buffers",
             "step_workspace": "AdamW temporaries (activations are freed by then)",
-            "total": "params + grads + optimizer + max(act. + logits + workspace, step)",
+            "total": "params + grads + optimizer + max(act. + max(logits, recompute) + rest, step)",
         }
         for name in COMPONENTS + ("step_workspace", "total"):
             if name == "step_workspace" and not self.step_workspace:
@@ -262,6 +272,7 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
     else:
         step_ws = optim_b // 2
 
+    grads_held = strategy in ("ddp", "zero1") or p.pp > 1 or grad_accumulation_steps(cfg) > 1
     host = 0
     if p.cpu_offload and strategy == "fsdp":
         host = params_b + grads_b + optim_b
@@ -276,12 +287,12 @@ def _estimate_rank(cfg: Config, world_size: int, rank: int) -> MemoryEstimate:
                  f"{kernel_note}; workspace is a model, not a measurement.")
     if cfg.compute.compile:
         notes.append("compute.compile: inductor chooses what to save; activations are for eager mode.")
-    if cfg.quant.float8:
-        notes.append("quant.float8: not modelled; float8 keeps 1-byte copies of the matmul inputs, so activations "
-                     "come out lower than shown (1.1B preset, H200: 21.2 GiB measured against bf16's 26.3).")
+    if cfg.quant.float8 and not cfg.compute.compile:
+        notes.append("quant.float8 in eager mode: modelled as bf16 (the float8 model is for compiled blocks).")
     return MemoryEstimate(
         params=params_b, grads=grads_b, optimizer=optim_b, activations=activations, logits=loss_peak,
-        workspace=workspace, step_workspace=step_ws, logits_saved=loss_saved, saved_for_backward=saved_one,
+        workspace=workspace, step_workspace=step_ws, grads_held=grads_held,
+        exclusive_workspace=act_ws if has_head else 0, logits_saved=loss_saved, saved_for_backward=saved_one,
         param_padding=padding if not host else 0, host=host, microbatches_in_flight=in_flight, rank=rank,
         world_size=world_size, notes=notes, breakdown=breakdown,
     )

@@ -38,6 +38,7 @@ from fourfold.parallel.build import build_model
 from fourfold.parallel.data_parallel import build_data_parallel
 from fourfold.plan.memory import MEASURED_KEYS, estimate_memory
 from fourfold.plan.recompute_cost import recompute_summary, without_recompute
+from fourfold.plan.report import end_of_run_line
 from fourfold.train.dataset import build_data
 from fourfold.train.faults import FaultInjector
 from fourfold.train.guard import StepGuard
@@ -237,6 +238,7 @@ class Trainer:
                     break
             self._finish_saving()
             self._report_runner()
+            self._log(end_of_run_line(cfg, self.env.world_size, self.device, summary.tokens_per_s))
         finally:
             self.guard.unwatch_sigterm()
             if self.saver is not None and self.saver.pending:
