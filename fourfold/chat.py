@@ -87,11 +87,15 @@ class ChatTemplate:
 
     @classmethod
     def for_model_dir(cls, path: str | Path | None) -> "ChatTemplate":
-        """The template in `path`/tokenizer_config.json, or DEFAULT_TEMPLATE when there is none."""
-        config_file = Path(path) / "tokenizer_config.json" if path is not None else None
-        if config_file is None or not config_file.is_file():
+        """The template in `path`/tokenizer_config.json, or in `path`/chat_template.jinja beside it (where recent
+        transformers save it), or DEFAULT_TEMPLATE when there is none."""
+        if path is None:
             return cls()
-        return cls.from_config_file(config_file)
+        config_file, jinja_file = Path(path) / "tokenizer_config.json", Path(path) / "chat_template.jinja"
+        template = cls.from_config_file(config_file) if config_file.is_file() else cls()
+        if template.source == DEFAULT_TEMPLATE and jinja_file.is_file():
+            return cls(cls.from_jinja_file(jinja_file).source, template.bos_token, template.eos_token)
+        return template
 
     @classmethod
     def from_config_file(cls, config_file: str | Path) -> "ChatTemplate":
@@ -140,11 +144,11 @@ class ChatTemplate:
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            try:
+            try:  # a template may refuse a prefix (reading messages[0] of none, insisting on the last role)
                 before = self._render(messages[:k], add_generation_prompt=True)
-            except (ConfigError, TypeError, IndexError, KeyError):  # e.g. a template reading messages[0]
+                after = self._render(messages[:k + 1], add_generation_prompt=False)
+            except (ConfigError, TypeError, IndexError, KeyError):
                 return None
-            after = self._render(messages[:k + 1], add_generation_prompt=False)
             if not (text.startswith(after) and after.startswith(before)):
                 return None
             end = len(after.rstrip())
@@ -156,9 +160,12 @@ class ChatTemplate:
         spans, cursor = [], 0
         markers = tuple(m for m in (self.eos_token, *END_OF_TURN_MARKERS) if m)
         for message in messages:
-            if message["role"] != "assistant" or not message["content"]:
+            if not message["content"]:
                 continue
             start = text.find(message["content"], cursor)
+            if message["role"] != "assistant":  # step over it, so an answer repeating a question is found after it
+                cursor = cursor if start < 0 else start + len(message["content"])
+                continue
             if start < 0:
                 raise ConfigError("The chat template changes assistant messages as it renders them, so the "
                                   "trained tokens cannot be located; use a template that keeps each "

@@ -320,3 +320,30 @@ def test_step_loss_is_the_token_mean_of_the_global_batch_whatever_the_micro_batc
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14)
         torch.testing.assert_close(runner.evaluate(batches), expected.detach(), rtol=1e-12, atol=0)
+
+
+def test_template_saved_as_chat_template_jinja_is_found(tmp_path):
+    """Recent transformers save the template in chat_template.jinja next to a tokenizer_config.json without one."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (folder / "chat_template.jinja").write_text(SMOL_LIKE)
+    template = ChatTemplate.for_model_dir(folder)
+    assert template.source == SMOL_LIKE and template.eos_token == "<|im_end|>"
+
+
+def test_check_data_source_reads_every_record_before_training(tmp_path):
+    from fourfold.train.dataset import check_data_source
+
+    bad = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}, {"messages": [{"role": "user"}]}])
+    cfg = build_config({}, {"data.path": str(bad), "model.vocab_size": "320"})
+    with pytest.raises(ConfigError, match="chat.jsonl:2: "):
+        check_data_source(cfg)
+
+
+def test_fallback_finds_an_answer_after_a_question_with_the_same_text():
+    template = ChatTemplate("{% for m in messages %}{% if loop.last %}*{% endif %}{{ m['content'] }}<|im_end|>"
+                            "{% endfor %}")
+    conv = [{"role": "user", "content": "Yes."}, {"role": "assistant", "content": "Yes."}]
+    text, spans = template.render_with_spans(conv)
+    assert text == "Yes.<|im_end|>*Yes.<|im_end|>" and spans == [(15, len(text))]
