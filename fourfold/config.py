@@ -203,7 +203,7 @@ class DataConfig:
     """The [data] section: text source or chat JSONL, tokenizer, chat template, cache and validation split."""
 
     path: Optional[str] = None
-    """Text file, directory or glob; unset trains on the Python standard library's own source."""
+    """Text or chat .jsonl data: a file, directory or glob; unset trains on the Python standard library's own source."""
     format: str = setting("auto", choices=DATA_FORMATS)
     """text (a corpus packed into seq_len windows), jsonl (one {"messages": [...]} conversation or {"text": ...}
     record per line, one record per padded sequence, loss on assistant tokens only; see

@@ -36,7 +36,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         safe = torch.where(keep, tgt, 0)
         n = flat.shape[0]
         wide = _upcast(flat[:1]).dtype
-        divisor = keep.sum().clamp(min=1).to(wide) if reduction == "mean" else torch.ones((), dtype=wide, device=flat.device)
+        if reduction == "mean":
+            divisor = keep.sum().clamp(min=1).to(wide)
+        else:
+            divisor = torch.ones((), dtype=wide, device=flat.device)
         grad = torch.empty_like(flat) if logits.requires_grad else None
         total = torch.zeros((), dtype=wide, device=flat.device)
         for start in range(0, n, chunk):
