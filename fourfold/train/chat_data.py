@@ -8,9 +8,9 @@ A JSONL file holds one record per line, either a conversation `{"messages": [{"r
 or a plain document `{"text": "..."}`; blank lines are skipped, and anything else is a ConfigError naming
 the file and the line. A conversation is rendered with the chat template and only its assistant turns
 are trained: each turn's content and its end-of-turn marker (`ChatTemplate.render_with_spans`), never
-the system or user turns nor the generation-prompt header. The text is tokenized segment by segment
-(untrained text, then each assistant span, ...), so no token straddles a trained/untrained boundary and
-the prompt's tokens are those inference encodes. A `{"text"}` record trains every token (plus eos).
+the system or user turns nor the generation-prompt header. The rendered text is tokenized whole, as
+transformers' `apply_chat_template` does, and each span's characters are mapped to tokens by encoding
+the text before its start and end (`encode_record`). A `{"text"}` record trains every token (plus eos).
 
 Sequences: one record per sequence of train.seq_len + 1 tokens, padded at the end with the tokenizer's
 eos id (0 without one) and IGNORE_INDEX targets. Under the causal mask a token never sees the padding
@@ -116,22 +116,32 @@ def read_records(files: list[Path]) -> list[dict]:
     return records
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def encode_record(record: dict, tokenizer, template: ChatTemplate) -> tuple[list[int], list[bool]]:
-    """(token ids, trained flag per token) of one record: assistant spans trained, the rest not; text all trained."""
+    """(token ids, trained flag per token) of one record: assistant spans trained, the rest not; text all trained.
+
+    The rendered conversation is tokenized whole (the ids `apply_chat_template` gives). A span boundary
+    at character b falls after the tokens that the text before b encodes to (their common prefix with the
+    whole encoding), so a token straddling a span's start is trained and one straddling its end is not.
+    """
     if "text" in record:
         ids = tokenizer.encode(record["text"]) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
         return ids, [True] * len(ids)
     text, spans = template.render_with_spans(record["messages"])
-    ids: list[int] = []
-    trained: list[bool] = []
-    cursor = 0
-    for start, end in [*sorted(spans), (len(text), len(text))]:
-        for piece, flag in ((text[cursor:max(cursor, start)], False), (text[max(cursor, start):end], True)):
-            if piece:
-                piece_ids = tokenizer.encode(piece)
-                ids += piece_ids
-                trained += [flag] * len(piece_ids)
-        cursor = max(cursor, end)
+    ids = tokenizer.encode(text)
+    trained = [False] * len(ids)
+    for start, end in spans:
+        first = _common_prefix(tokenizer.encode(text[:start]), ids)
+        stop = _common_prefix(tokenizer.encode(text[:end]), ids) if end < len(text) else len(ids)
+        trained[first:stop] = [True] * max(0, stop - first)
     return ids, trained
 
 
