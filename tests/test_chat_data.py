@@ -303,6 +303,18 @@ def test_padding_and_other_conversations_change_nothing(tmp_path):
     changed[0, :real_a] = torch.randint(0, 256, (real_a,))  # conversation A replaced
     torch.testing.assert_close(model(changed)[1], logits[1], rtol=0, atol=0)  # B's logits untouched
 
+    # other padding ids leave the loss and every gradient exactly as they were
+    def loss_and_grads(tokens):
+        model.zero_grad(set_to_none=True)
+        value = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        value.backward()
+        return value.detach(), [p.grad.clone() for p in model.parameters()]
+
+    repadded = inputs.clone()
+    repadded[0, real_a:] = torch.randint(0, 256, (128 - real_a,))
+    (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(inputs), loss_and_grads(repadded)
+    assert loss_a == loss_b and all(torch.equal(g, h) for g, h in zip(grads_a, grads_b))
+
     # padded and prompt positions add nothing: the loss equals the loss over the trained positions alone
     keep = targets != IGNORE_INDEX
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)

@@ -163,7 +163,8 @@ class StepRunner(ABC):
         """Set `loss_divisor` for these micro-batches [(inputs, targets, ...)] of this rank (a collective when
         distributed: every rank calls it with the same number of micro-batches)."""
         counts = [(batch[1] != IGNORE_INDEX).sum() for batch in batches]
-        trained = torch.stack(counts).sum().to(self.device, torch.float64) if counts else torch.zeros(())
+        trained = (torch.stack(counts).sum().to(self.device, torch.float64) if counts
+                   else torch.zeros((), dtype=torch.float64, device=self.device))
         if dist.is_initialized() and self.mesh.world_size > 1:
             dist.all_reduce(trained)
             trained = trained / self._replicas_of_data_rank
