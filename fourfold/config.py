@@ -69,11 +69,17 @@ class ModelConfig:
     """Share the token embedding with the output head."""
     init_std: float = setting(0.02, ge=0)
     """Standard deviation of the normal initialisation of linear and embedding weights."""
+    head_size: int = setting(0, ge=0)
+    """Size of one attention head; 0 derives dim // n_heads (imported models may set another, e.g. Gemma-style)."""
+    attention_bias: bool = False
+    """Biases on the q, k, v and output projections of attention (Hugging Face's attention_bias)."""
+    mlp_bias: bool = False
+    """Biases on the three SwiGLU projections (Hugging Face's mlp_bias)."""
 
     @property
     def head_dim(self) -> int:
-        """Size of one attention head: dim // n_heads."""
-        return self.dim // self.n_heads
+        """Size of one attention head: head_size when set, else dim // n_heads."""
+        return self.head_size or self.dim // self.n_heads
 
 
 @dataclass
@@ -225,7 +231,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """The [checkpoint] section: when checkpoints are saved and how many are kept."""
+    """The [checkpoint] section: when and how checkpoints are saved, how many are kept, and initial weights."""
 
     every: int = setting(100, ge=0)
     """Steps between checkpoints; 0 saves only at the end."""
@@ -233,6 +239,13 @@ class CheckpointConfig:
     """Keep the newest K checkpoints; 0 keeps them all."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
+    async_save: bool = False
+    """Save in the background: training stalls only while this rank's state is copied to host memory."""
+    verify: bool = True
+    """Check every file's sha256 against the checkpoint's COMPLETE marker before loading (sizes are always checked)."""
+    init_from: str = ""
+    """Start from the model weights (not optimizer, step or data position) of this fourfold checkpoint or run
+    directory, under any layout; the [model] shape comes from its config (explicit [model] keys must agree)."""
 
 
 @dataclass
@@ -442,12 +455,12 @@ def validate(cfg: Config) -> None:
         for f in fields(SECTIONS[section]):
             check_value(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
     m, t, c = cfg.model, cfg.train, cfg.compute
-    if m.dim % m.n_heads:
+    if m.dim % m.n_heads and not m.head_size:
         raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}); change model.dim "
                           "or model.n_heads.")
     if m.head_dim % 2:
-        raise ConfigError(f"The head size model.dim / model.n_heads = {m.head_dim} must be even for rotary "
-                          "embeddings; change model.dim or model.n_heads.")
+        raise ConfigError(f"The head size (model.head_size, or model.dim / model.n_heads) = {m.head_dim} must be even "
+                          "for rotary embeddings; change model.head_size, model.dim or model.n_heads.")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads}); pick a "
                           "divisor of n_heads (n_heads itself for plain multi-head attention).")

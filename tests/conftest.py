@@ -12,3 +12,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402 - after the variable, so that subprocesses and torch's first use see it
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Without a GPU, Triton kernels (fourfold.infer.attention_gpu) run in Triton's numpy interpreter; the
+# variable must be set before anything imports triton (torchao and transformers do, through torch).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,8 +1,9 @@
 """Checkpoints: atomic saves survive a crash, keep-K retention, pickle-free loading, clear errors on damaged
-files, and resharding: a checkpoint written under fsdp=2 resumes under tp=2 and in one process, one written
-under ZeRO-1 (optimizer state sent to the writer by each owner) resumes under ZeRO-1 and FSDP, with the
-continued losses and final weights of a run that never stopped (float64, gloo). The streaming safetensors
-writer puts blocks written in any order where safetensors reads them.
+files (checked against the COMPLETE marker's sizes and sha256 before anything loads), fallback to the
+previous checkpoint, the audit's resume checks (meta.json entries, changed data settings), asynchronous
+saves, and resharding: a checkpoint written under fsdp=2 resumes under tp=2 and in one process, one written
+under ZeRO-1 resumes under ZeRO-1 and FSDP, with the continued losses and final weights of a run that never
+stopped (float64, gloo). More layout pairs: tests/distributed/test_reshard.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fourfold.cli import main
 from fourfold.errors import CheckpointError
 from fourfold.models.llama import Llama
 from fourfold.checkpoint import store as ckpt_mod
-from fourfold.checkpoint.safetensors_io import SafetensorsWriter, TensorReader
+from fourfold.checkpoint.safetensors_io import SafetensorsWriter, SequentialSafetensorsWriter, TensorReader
 from fourfold.checkpoint.store import latest_checkpoint, list_checkpoints, resolve_resume
 from fourfold.train.metrics import read_metrics
 from fourfold.train.trainer import Trainer, train
@@ -59,18 +60,17 @@ def reference(tmp_path_factory):
 # ----- atomic saves ------------------------------------------------------------------------------
 
 def _crash_in_second_save(monkeypatch, where: str) -> None:
-    """Make the step-4 save fail: while writing its optimizer file (the model file is already on disk),
-    or at the final rename, after every file and meta.json are written."""
+    """Make the step-4 save fail: while writing its shard file (half written), or at the final rename, after
+    every file and the marker are written."""
     if where == "write":
-        real = ckpt_mod._save_tensors
+        real = SequentialSafetensorsWriter.write
 
-        def save_tensors(tensors, path):
-            if ".tmp-step_4" in str(path) and Path(path).name.startswith("optim-"):
-                Path(path).write_bytes(b"partial")  # half a file, as a crash would leave it
+        def write(self, name, tensor):
+            if ".tmp-step_4" in str(self.path) and name.startswith("state."):
                 raise OSError("simulated crash while writing the optimizer state")
-            real(tensors, path)
+            real(self, name, tensor)
 
-        monkeypatch.setattr(ckpt_mod, "_save_tensors", save_tensors)
+        monkeypatch.setattr(SequentialSafetensorsWriter, "write", write)
     else:
         real_rename = os.rename
 
@@ -93,8 +93,8 @@ def test_crash_mid_save_keeps_previous_checkpoint(where, tmp_path, monkeypatch, 
             Trainer(cfg, run).run()
     root = run / "checkpoints"
     partial = root / ".tmp-step_4"
-    assert (partial / "model-model.safetensors").is_file()  # the crash left a half-written checkpoint ...
-    assert (partial / "meta.json").is_file() == (where == "rename")
+    assert (partial / "model-00000.safetensors").is_file()  # the crash left a half-written checkpoint ...
+    assert (partial / "COMPLETE").is_file() == (where == "rename")
     assert not (root / "step_4").exists()
     # ... which neither listing nor resume picks up; step 2 survived (keep=1 never ran for step 4).
     assert list_checkpoints(run) == [root / "step_2"]
@@ -106,7 +106,8 @@ def test_crash_mid_save_keeps_previous_checkpoint(where, tmp_path, monkeypatch, 
     assert summary.steps == STEPS
     assert _losses_by_step(run) == ref_losses  # resuming from step 2 redoes steps 3-4 exactly
     _assert_same_weights(final_weights(run), ref_weights, exact=True)
-    assert sorted(p.name for p in root.iterdir()) == ["step_4"]  # the stale temporary was replaced
+    # The stale temporary was replaced; keep=1 spared step_2, the checkpoint this run resumed from.
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
 
 
 def test_incomplete_directories_are_never_resumed(tmp_path):
@@ -114,7 +115,7 @@ def test_incomplete_directories_are_never_resumed(tmp_path):
     train(_cfg(tmp_path, **{"train.steps": 2, "checkpoint.every": 1}), run)
     root = run / "checkpoints"
     shutil.copytree(root / "step_2", root / "step_9")
-    (root / "step_9" / "meta.json").unlink()  # a directory that looks newer but was never completed
+    (root / "step_9" / "COMPLETE").unlink()  # a directory that looks newer but was never completed
     (root / "step_x").mkdir()
     assert latest_checkpoint(run) == root / "step_2"
     assert [p.name for p in list_checkpoints(run)] == ["step_1", "step_2"]
@@ -139,7 +140,8 @@ def test_checkpoint_holds_only_safetensors_and_json_and_loads_without_unpickling
     Trainer(cfg, run).run(until=2)
     ckpt = run / "checkpoints" / "step_2"
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == ["meta.json", "model-model.safetensors", "optim-model.json", "optim-model.safetensors"]
+    assert names == ["COMPLETE", "meta.json", "metadata.json", "model-00000.safetensors", "optim-00000.safetensors",
+                     "optim.json"]
 
     def refuse(*args, **kwargs):
         raise AssertionError("checkpoint loading unpickled something")
@@ -168,13 +170,23 @@ def _remove(path: Path) -> None:
     path.unlink()
 
 
+def _flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x10  # in the tensor data: the file still parses, only the checksum notices
+    path.write_bytes(bytes(data))
+
+
 DAMAGE = {
-    "truncated-model": ("model-model.safetensors", _truncate),
-    "garbled-model-header": ("model-model.safetensors", _garble_header),
-    "truncated-optimizer": ("optim-model.safetensors", _truncate),
-    "truncated-optimizer-groups": ("optim-model.json", _truncate),
-    "missing-optimizer-groups": ("optim-model.json", _remove),
+    "truncated-shard": ("model-00000.safetensors", _truncate),
+    "bit-flipped-shard": ("model-00000.safetensors", _flip_a_bit),
+    "garbled-shard-header": ("model-00000.safetensors", _garble_header),
+    "missing-shard": ("model-00000.safetensors", _remove),
+    "bit-flipped-optimizer-shard": ("optim-00000.safetensors", _flip_a_bit),
+    "truncated-metadata": ("metadata.json", _truncate),
+    "truncated-optimizer-groups": ("optim.json", _truncate),
+    "missing-optimizer-groups": ("optim.json", _remove),
     "truncated-meta": ("meta.json", _truncate),
+    "missing-marker": ("COMPLETE", _remove),
 }
 
 
@@ -286,3 +298,28 @@ def test_a_tensor_left_unwritten_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match="not written whole"):
         with SafetensorsWriter(tmp_path / "x.safetensors", [("w", (4, 2), torch.float32)]) as out:
             out.write_block("w", (0, 0), torch.zeros(2, 2))
+
+
+# ----- another model's checkpoint -----------------------------------------------------------------
+
+@pytest.mark.parametrize("change,message", [({"dim": 64}, "has shape"), ({"n_layers": 5}, "has no tensor"),
+                                            ({"n_layers": 3}, "model does not have")])
+def test_checkpoint_of_another_shape_is_refused_before_loading(change, message, saved_run):
+    ckpt = saved_run / "run" / "checkpoints" / "step_1"
+    cfg = _cfg(saved_run)
+    model = Llama(type(cfg.model)(**{**cfg.model.__dict__, **change})).double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=f"metadata.json.*{message}"):
+        ckpt_mod.load_checkpoint(ckpt, model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was loaded
+
+
+def test_loading_weights_alone_needs_no_optimizer_file(saved_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run / "run", run)
+    ckpt = run / "checkpoints" / "step_1"
+    _remove(ckpt / "optim-00000.safetensors")
+    model = Llama(_cfg(saved_run).model).double()
+    assert ckpt_mod.load_checkpoint(ckpt, model)["step"] == 1  # inference and init_from read the weights only
+    with pytest.raises(CheckpointError, match="optim-00000.safetensors is missing"):
+        ckpt_mod.load_checkpoint(ckpt, model, torch.optim.AdamW(model.parameters()))

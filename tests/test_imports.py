@@ -24,11 +24,11 @@ LAYERS: list[tuple[str, ...]] = [
      "fourfold.optim", "fourfold.tokenizer", "fourfold.chat"),
     ("fourfold.layout", "fourfold.mesh", "fourfold.parallel", "fourfold.recompute", "fourfold.quant",
      "fourfold.checkpoint"),
-    ("fourfold.train", "fourfold.infer", "fourfold.plan"),
+    ("fourfold.train", "fourfold.infer", "fourfold.plan", "fourfold.serve"),
     ("fourfold.cli", "fourfold.__main__", "fourfold.testing"),
 ]
 # Packages of one layer that may import each other, one way only.
-ALLOWED_SIDEWAYS = {("fourfold.train", "fourfold.plan")}
+ALLOWED_SIDEWAYS = {("fourfold.train", "fourfold.plan"), ("fourfold.serve", "fourfold.infer")}
 # Function-level imports of fourfold modules are allowed only here: the command line loads each
 # subcommand's modules on demand so that `fourfold config` does not start torch.
 LAZY_IMPORTS_ALLOWED = {"fourfold.cli"}  # and its subcommand modules

@@ -1,1 +1,2 @@
-"""Checkpoints: sharded-safe save and load of model and optimizer state, by parameter name."""
+"""Checkpoints: sharded save and load through torch.distributed.checkpoint (safetensors + JSON, no pickle),
+resharding between layouts, atomic and checksummed, asynchronous saves, and whole-model conversion tools."""

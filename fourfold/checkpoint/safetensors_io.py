@@ -1,7 +1,10 @@
-"""safetensors files written block by block, and read one tensor (or one block of it) at a time by name.
+"""safetensors files written in pieces (block by block, or tensor by tensor with a running sha256), and read
+one tensor (or one block of it) at a time by name.
 
     with SafetensorsWriter(path, [(name, shape, dtype), ...]) as out:
         out.write_block(name, offset, block)        # any rectangular block of a tensor, in any order
+    with SequentialSafetensorsWriter(path, specs) as out:
+        out.write(name, tensor)                     # each tensor whole, in the order of specs; out.sha256 after
     reader = TensorReader([path, ...]); reader.shape(name); reader.get(name); reader.get_block(name, offset, shape)
 
 Why our own writer: safetensors' Python API (`save_file`, `save`) takes the whole dict of tensors at once,
@@ -19,6 +22,7 @@ the block of it a rank holds (`get_block`).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -115,6 +119,55 @@ class SafetensorsWriter:
             self._file.close()
 
     def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._file.close()
+
+
+class SequentialSafetensorsWriter:
+    """A safetensors file written front to back, each tensor whole and in the order of `specs`, with a running
+    sha256 of every byte (`sha256` and `size` once closed): one tensor in host memory at a time."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        self.path = Path(path)
+        header, _ = _header(specs)
+        self._specs = [(name, tuple(shape), dtype) for name, shape, dtype in specs]
+        self._next = 0
+        self._hash = hashlib.sha256(header)
+        self.size = len(header)
+        self.sha256 = ""
+        self._file = open(self.path, "wb")
+        self._file.write(header)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor of the specs, `name`, whole."""
+        expected, shape, dtype = self._specs[self._next]
+        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise CheckpointError(f"{self.path}: got '{name}' {tuple(tensor.shape)} {tensor.dtype} where '{expected}' "
+                                  f"{shape} {dtype} comes next.")
+        data = memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+        self._file.write(data)
+        self._hash.update(data)
+        self.size += len(data)
+        self._next += 1
+
+    def close(self) -> None:
+        """Check every tensor was written, then flush, fsync and close the file."""
+        try:
+            if self._next != len(self._specs):
+                raise CheckpointError(f"{self.path}: tensors {[s[0] for s in self._specs[self._next:]][:5]} were "
+                                      "not written.")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self.sha256 = self._hash.hexdigest()
+        finally:
+            self._file.close()
+
+    def __enter__(self) -> "SequentialSafetensorsWriter":
         return self
 
     def __exit__(self, kind, value, traceback) -> None:

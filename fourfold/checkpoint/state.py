@@ -1,25 +1,24 @@
-"""Model and optimizer state by canonical parameter name: what this rank holds, and loading it back from files.
+"""Model and optimizer state by canonical parameter name: what this rank holds, as DCP state dicts.
 
 Saving: `model_tensors` and `optimizer_tensors` name what this rank holds (DTensor shards stay sharded;
-ZeRO-1 ranks list only the state of the parameters they own); `fourfold.checkpoint.gather` moves each
-block to the writing rank. Loading: each rank reads from the files only the block of each tensor it
-holds (`TensorReader.get_block` at `fourfold.models.init.shard_extent`), one tensor at a time.
+ZeRO-1 ranks list only the state of the parameters they own); torch.distributed.checkpoint writes them.
+Loading: `optimizer_destinations` makes empty tensors shaped (and sharded) like the parameters for the
+saved optimizer entries, DCP fills them and the model's own tensors in place (each rank reading only its
+block), and `install_optimizer_state` hands them to the optimizer.
 
-Names are canonical (wrapper segments such as torch.compile's `_orig_mod.` and DDP's `module.` removed),
-so they match across layouts; pipeline chunks (a list of modules) are viewed as one module with the
-original Llama names. On disk optimizer tensors are keyed `state.<param>.<key>` (exp_avg, exp_avg_sq,
-step), their param groups (hyper-parameters, parameter names) are JSON.
+Names are the unwrapped Llama names (`fourfold.models.init.canonical_name`), the same under every layout,
+which is what lets a checkpoint reshard: pipeline chunks (a list of modules) are viewed as one module with
+the original Llama names. Optimizer tensors are keyed `state.<param>.<key>` (exp_avg, exp_avg_sq, step);
+their param groups (hyper-parameters, parameter names) are JSON.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from fourfold.checkpoint.safetensors_io import TensorReader
 from fourfold.errors import CheckpointError
-from fourfold.models.init import canonical_name, local_part, shard_extent
+from fourfold.models.init import canonical_name
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -86,56 +85,61 @@ def optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
 
 # ----- loading ----------------------------------------------------------------------------------
 
-def check_model_tensors(model, reader: TensorReader) -> None:
-    """Raise CheckpointError unless the files hold every model tensor with the shape the model expects."""
+def check_model_tensors(model, saved: dict, where: str, everyone: set[str]) -> None:
+    """Raise CheckpointError unless `saved` (metadata.json's tensors) has every model tensor with its shape, and
+    no model tensor outside `everyone` (the names all ranks' parts of the model hold together)."""
+    extra = sorted(n for n in saved if not n.startswith("state.") and n not in everyone)
+    if extra:
+        raise CheckpointError(f"{where}: the checkpoint holds tensors the model does not have ({', '.join(extra[:3])}"
+                              f"{', ...' if len(extra) > 3 else ''}); it was saved from a different model shape: use "
+                              "the config it was trained with.")
     for name, t in model_tensors(model).items():
-        shape = reader.shape(name)
-        if shape is None:
-            files = sorted({p.name for p in reader.files.values()})
-            raise CheckpointError(f"The checkpoint has no tensor '{name}' (files: {', '.join(files)}); it was saved "
-                                  "from a different model shape: use the config it was trained with.")
-        if shape != tuple(t.shape):
-            raise CheckpointError(f"{reader.files[name]}: tensor '{name}' has shape {list(shape)} but the model "
-                                  f"expects {list(t.shape)}; the checkpoint was saved from a different model config.")
+        entry = saved.get(name)
+        if entry is None:
+            raise CheckpointError(f"{where}: the checkpoint has no tensor '{name}'; it was saved from a different "
+                                  "model shape: use the config it was trained with.")
+        if tuple(entry["shape"]) != tuple(t.shape):
+            raise CheckpointError(f"{where}: tensor '{name}' has shape {entry['shape']} but the model expects "
+                                  f"{list(t.shape)}; the checkpoint was saved from a different model config.")
 
 
-@torch.no_grad()
-def load_model_tensors(model, reader: TensorReader) -> None:
-    """Fill every model tensor with its value from the files, this rank reading only its shard."""
-    check_model_tensors(model, reader)
-    for name, t in model_tensors(model).items():
-        local_shape, offset = shard_extent(t)
-        local_part(t).copy_(reader.get_block(name, offset, local_shape))
+def owned_params(model, optimizer) -> list[tuple[int, str, torch.Tensor]]:
+    """(torch's integer id, name, parameter) of the parameters whose state this rank keeps (ZeRO-1: its own)."""
+    owned = {id(p) for g in optimizer.optim.param_groups for p in g["params"]} if is_zero(optimizer) else None
+    return [(i, name, p) for i, (name, p) in enumerate(_named_params(model, optimizer))
+            if owned is None or id(p) in owned]
 
 
-def _read_like(reader: TensorReader, flat: str, param: torch.Tensor) -> torch.Tensor:
-    """A saved optimizer tensor as the optimizer keeps it: a tensor with the parameter's shape is read as
-    the parameter's shard (a DTensor like it, or a plain tensor on its device); others (the 0-d `step`)
-    as saved."""
-    if reader.shape(flat) != tuple(param.shape) or param.dim() == 0:
-        return reader.get(flat)
-    local_shape, offset = shard_extent(param)
-    local = reader.get_block(flat, offset, local_shape).to(local_part(param).device)
-    if isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                                  stride=param.stride())
-    return local
-
-
-def load_optimizer_state(model, optimizer, reader: TensorReader, saved_groups: list[dict]) -> None:
-    """Load the optimizer state from the files (ZeRO-1: only the parameters this rank owns)."""
+def optimizer_destinations(model, optimizer, saved: dict, where: str) -> dict[str, torch.Tensor]:
+    """`state.<param>.<key>` -> an empty tensor to load into, for every saved entry of the parameters this rank
+    keeps: shaped and sharded like the parameter, or as saved (the 0-d `step`)."""
     keys: dict[str, list[str]] = {}
-    for flat in reader.names():
+    for flat in saved:
         if flat.startswith("state."):
             name, key = flat[len("state."):].rsplit(".", 1)
             keys.setdefault(name, []).append(key)
-    owned = {id(p) for g in optimizer.optim.param_groups for p in g["params"]} if is_zero(optimizer) else None
+    out = {}
+    for _, name, p in owned_params(model, optimizer):
+        if name not in keys:
+            raise CheckpointError(f"{where}: the checkpoint has no optimizer state for '{name}'; it cannot resume "
+                                  "training exactly (it was saved without an optimizer, or from another model).")
+        for key in keys[name]:
+            entry = saved[f"state.{name}.{key}"]
+            dtype = getattr(torch, entry["dtype"])
+            if tuple(entry["shape"]) == tuple(p.shape) and p.dim() > 0:
+                out[f"state.{name}.{key}"] = torch.empty_like(p, dtype=dtype, requires_grad=False)
+            else:
+                out[f"state.{name}.{key}"] = torch.empty(entry["shape"], dtype=dtype)
+    return out
+
+
+def install_optimizer_state(model, optimizer, loaded: dict[str, torch.Tensor], saved_groups: list[dict]) -> None:
+    """Give the optimizer the loaded state (ZeRO-1: of the parameters this rank owns) and the saved groups."""
     named = _named_params(model, optimizer)
     state = {}
-    for index, (name, p) in enumerate(named):
-        if owned is not None and id(p) not in owned:
-            continue
-        values = {key: _read_like(reader, f"state.{name}.{key}", p) for key in keys.get(name, [])}
+    for index, name, _ in owned_params(model, optimizer):
+        prefix = f"state.{name}."
+        values = {flat[len(prefix):]: t for flat, t in loaded.items() if flat.startswith(prefix)}
         if values:
             state[index] = values
     saved_by_param = {n: g for g in saved_groups for n in g["params"]}

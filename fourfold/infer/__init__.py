@@ -1,1 +1,1 @@
-"""Inference: sampling and generation (the full engine comes later)."""
+"""Inference: the paged-KV-cache engine (LLMEngine), the offline LLM API, the async streaming API, loading."""

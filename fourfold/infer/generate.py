@@ -1,4 +1,4 @@
-"""`fourfold generate`: load a checkpoint and continue a prompt with a KV-cached sampling loop."""
+"""A contiguous-KV-cache generation loop (a second reference for the engine's tests; the CLI uses the engine)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from fourfold.checkpoint.store import checkpoint_at, load_checkpoint
+from fourfold.checkpoint.store import load_checkpoint
 from fourfold.config import Config, build_config
 from fourfold.errors import CheckpointError
 from fourfold.infer.kv_cache import KVCache
+from fourfold.infer.loading import find_checkpoint
 from fourfold.infer.sampling import sample_next
 from fourfold.models.llama import Llama
 from fourfold.tokenizer import load_tokenizer
@@ -26,15 +27,6 @@ class SamplingOptions:
     top_k: int = 50
     top_p: float = 0.95
     seed: int = 0
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the newest checkpoint of a run directory."""
-    latest = checkpoint_at(path)
-    if latest is None:
-        raise CheckpointError(f"No checkpoint found at '{path}': pass a checkpoints/step_N directory or a run "
-                              "directory that has one (train with checkpoint.save_final = true).")
-    return latest
 
 
 def load_for_inference(path: str | Path, device: torch.device) -> tuple[Llama, Config]:

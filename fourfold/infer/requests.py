@@ -95,6 +95,10 @@ class RequestOutput:
     """One entry per token in token_ids, when the request asked for logprobs."""
     cached_prompt_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    ttft_s: Optional[float] = None
+    """On the output carrying a request's first token: seconds from add_request to that token."""
+    inter_token_s: Optional[float] = None
+    """On later outputs: seconds since this request's previous token."""
 
 
 @dataclass

@@ -78,6 +78,9 @@ def fill_initial(dest: torch.Tensor, name: str, shape: tuple[int, ...], cfg: Mod
     if name.endswith("norm.weight"):
         dest.fill_(1.0)
         return
+    if name.endswith(".bias"):  # linear biases (attention_bias / mlp_bias) start at zero, as in Hugging Face
+        dest.zero_()
+        return
     if not shape:  # a scalar: one row of one element
         fill_initial(dest.view(1), name, (1,), cfg, seed, (0,))
         return
@@ -90,7 +93,7 @@ def fill_initial(dest: torch.Tensor, name: str, shape: tuple[int, ...], cfg: Mod
     for block in range(first // rows, (last + rows - 1) // rows if dest.numel() else first // rows):
         start = block * rows
         generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name, block))
-        values = torch.empty((min(rows, shape[0] - start), *shape[1:]), dtype=torch.float32)
+        values = torch.empty((min(rows, shape[0] - start), *shape[1:]), dtype=torch.float32, device="cpu")
         values.normal_(0.0, std, generator=generator)
         lo, hi = max(first, start), min(last, start + rows)
         dest[lo - first:hi - first] = values[(slice(lo - start, hi - start), *inner)]

@@ -105,10 +105,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        bias = cfg.attention_bias
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
         self.core = CausalAttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
@@ -131,11 +132,11 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, dim: int, ffn_dim: int):
+    def __init__(self, dim: int, ffn_dim: int, bias: bool = False):
         super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, ffn_dim, bias=bias)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=bias)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The SwiGLU MLP applied to x (..., dim); returns (..., dim)."""
@@ -150,7 +151,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
                 layer_idx: int = 0) -> torch.Tensor:
@@ -238,6 +239,10 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     d, f, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
     attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
     block = attn + 3 * d * f + 2 * d
+    if cfg.attention_bias:
+        block += (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + d  # q, k, v and output biases
+    if cfg.mlp_bias:
+        block += 2 * f + d  # w1, w3 and w2 biases
     head = cfg.vocab_size * d
     non_embedding = cfg.n_layers * block + d + head
     total = non_embedding + (0 if cfg.tie_embeddings else cfg.vocab_size * d)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from safetensors.torch import load_file
-
+from fourfold.checkpoint.consolidated import read_model_tensors
+from fourfold.checkpoint.store import latest_checkpoint
 from fourfold.config import Config, build_config
 from fourfold.train.metrics import read_metrics
 from fourfold.train.trainer import train
@@ -72,9 +72,8 @@ def grad_norms(run_dir: Path) -> list[float]:
 
 
 def final_weights(run_dir: Path) -> dict:
-    """Every model tensor of the newest checkpoint, merged over pipeline-stage files."""
-    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    out = {}
-    for f in sorted(ckpts[-1].glob("model-*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    """Every model tensor (whole) of the newest complete checkpoint, whatever layout wrote it."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run_dir} has no complete checkpoint")
+    return read_model_tensors(ckpt)[1]

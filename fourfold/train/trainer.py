@@ -22,7 +22,10 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from fourfold.checkpoint.store import load_checkpoint, resolve_resume, save_checkpoint
+from fourfold.checkpoint.async_save import AsyncSaver
+from fourfold.checkpoint.init_from import config_with_init_model, load_init_weights
+from fourfold.checkpoint.resume import check_data_position, data_signature, resume_from
+from fourfold.checkpoint.store import save_checkpoint
 from fourfold.config import Config
 from fourfold.config_text import to_toml
 from fourfold.distributed import DistEnv, init_distributed, world_from_env
@@ -68,6 +71,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool | str = False, console: Console | None = None):
+        cfg = config_with_init_model(cfg)  # checkpoint.init_from: the model's shape is the checkpoint's
         self.cfg = cfg
         # The layout is checked against the world size before any process group exists.
         validate_layout(cfg, world_from_env()[1])
@@ -82,6 +86,11 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self.step = 0
+        self.loaded_from: Path | None = None  # the checkpoint this run resumed from: keep-K never deletes it
+        self.saver = AsyncSaver() if cfg.checkpoint.async_save else None
+        if cfg.checkpoint.init_from:
+            load_init_weights(cfg.checkpoint.init_from, self.runner.checkpoint_modules, self.run_dir)
+            self._log(f"Initial weights from {cfg.checkpoint.init_from}.")
         if resume:
             self._resume(resume)
         self.metrics = MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console) if self.is_main else None
@@ -110,12 +119,20 @@ class Trainer:
         self.runner: StepRunner = build_runner(cfg, self.mesh, self.dp, chunks, self.device)
         self.model, self.optimizer, self.scaler = self.runner.model, self.runner.optimizer, self.runner.scaler
 
+    def _data_signature(self) -> dict:
+        """What the saved data position depends on (checked on resume)."""
+        dataset = getattr(self.train_batches, "dataset", None)
+        sequences = len(dataset) if hasattr(dataset, "__len__") else None
+        return data_signature(self.cfg.train.global_batch, self.cfg.train.seq_len, self.cfg.data.path, sequences)
+
     def _resume(self, resume: bool | str) -> None:
-        path = resolve_resume(self.run_dir, resume)
+        path, meta = resume_from(self.run_dir, resume, self.runner.checkpoint_modules, self.optimizer, self._log,
+                                 verify=self.cfg.checkpoint.verify)
         if path is None:
             self._log(f"[yellow]--resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting from step 0.[/]")
             return
-        meta = load_checkpoint(path, self.runner.checkpoint_modules, self.optimizer)
+        check_data_position(meta, path, self._data_signature())
+        self.loaded_from = path
         self.step = int(meta["step"])
         self.train_batches.load_state_dict(meta["data"])
         if self.scaler is not None and "loss_scaler" in meta:
@@ -181,8 +198,12 @@ class Trainer:
                     self.save()
                     t_last = time.perf_counter()
                 progress.update(self.step, record)
+            self._finish_saving()
             self._report_runner()
         finally:
+            if self.saver is not None and self.saver.pending:
+                with contextlib.suppress(Exception):  # training failed: let a save in flight finish, keep its error
+                    self.saver.wait()
             progress.close()
             if self.metrics is not None:
                 self.metrics.close()
@@ -229,15 +250,38 @@ class Trainer:
         return val
 
     def save(self) -> Path:
-        """Write a checkpoint of the current step (every rank takes part); returns its directory."""
-
+        """Write a checkpoint of the current step (every rank takes part; with checkpoint.async_save in the
+        background); returns its directory. Logs ckpt_stall_s (training stalled) and ckpt_save_s (writing)."""
         meta = {"step": self.step, "config": self.cfg.to_dict(), "data": self.train_batches.state_dict(),
-                "tokenizer": self.cfg.data.tokenizer}
+                "data_signature": self._data_signature(), "tokenizer": self.cfg.data.tokenizer}
         if self.scaler is not None:
             meta["loss_scaler"] = self.scaler.state_dict()
-        writer, shard = self.runner.checkpoint_shard
-        return save_checkpoint(self.run_dir, self.step, self.runner.checkpoint_modules, self.optimizer, meta,
-                               self.cfg.checkpoint.keep, writer=writer, shard_name=shard)
+        args = (self.run_dir, self.step, self.runner.checkpoint_modules, self.optimizer, meta,
+                self.cfg.checkpoint.keep)
+        protect = [self.loaded_from] if self.loaded_from else []
+        begin = time.perf_counter()
+        if self.saver is None:
+            path = save_checkpoint(*args, protect=protect)
+            seconds = time.perf_counter() - begin
+            self._write_metrics({"step": self.step, "ckpt_stall_s": seconds, "ckpt_save_s": seconds})
+            return path
+        previous = self.saver.wait()
+        if previous is not None:
+            self._write_metrics({"step": self._saving_step, "ckpt_save_s": previous})
+        self.saver.save(*args, protect=protect)
+        self._saving_step = self.step
+        self._write_metrics({"step": self.step, "ckpt_stall_s": time.perf_counter() - begin})
+        return self.run_dir / "checkpoints" / f"step_{self.step}"
+
+    def _finish_saving(self) -> None:
+        """Wait for an asynchronous save still in flight (the end of training)."""
+        seconds = self.saver.wait() if self.saver is not None else None
+        if seconds is not None:
+            self._write_metrics({"step": self._saving_step, "ckpt_save_s": seconds})
+
+    def _write_metrics(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
 
     def _print_start(self) -> None:
         if not self.is_main:

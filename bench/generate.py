@@ -1,0 +1,407 @@
+"""Generation speed: fourfold's engine vs three Hugging Face peers, same prompts, same GPU, one run.
+
+    python bench/generate.py --out bench/results/generate-h200 --quick            # ~6-8 min on one H200
+    python bench/generate.py --out DIR --variants fourfold,hf-compile --profile
+
+Model: the `llama-1b` preset (1.1B, TinyLlama shape) in bf16 with random weights; prompts of 128 random
+token ids, 256 new tokens, greedy, end-of-sequence ignored. Variants, each in its own process:
+  fourfold         the engine (`LLM(dir).generate`) at 1, 8, 32, 64, 256 concurrent requests, loading a
+                   checkpoint this script writes once (save_checkpoint); decode CUDA graphs are wired
+                   onto the runner here unless the engine already has them (--graphs off: eager)
+  fourfold-prefix  64 requests sharing a 1k-token system prompt (--system-len), prefix caching on and off
+  hf-eager         `generate` (dynamic cache) at 1 and 64
+  hf-compile       `generate` with the static cache, which Hugging Face compiles; two warm-up runs per size
+  hf-cb            continuous batching `generate_batch` with attn_implementation "paged|sdpa"
+Throughput is end to end (prefill included): generated tokens / wall time of the whole batch. Batch-1
+decode ms/step comes from two runs (256 and 32 new tokens) and is shown next to the bandwidth bound
+(weight bytes / --bandwidth). --quick gives the Hugging Face peers 64 new tokens instead of 256 (their
+per-step time barely depends on it) and keeps the whole run near 8 minutes; --profile writes a
+torch.profiler table of fourfold decode steps at batch 1 and 64. Writes generate.json and generate.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [ROOT]
+
+ORDER = ["fourfold", "hf-compile", "hf-cb", "hf-eager", "fourfold-prefix"]
+TIMEOUTS = {"fourfold": 300, "hf-compile": 330, "hf-cb": 200, "hf-eager": 150, "fourfold-prefix": 200}
+HF_CONCURRENCY = {"hf-eager": [1, 64], "hf-compile": [1, 64, 256], "hf-cb": [1, 64, 256]}
+GOALS = {1: 950, 64: 35_000, 256: 75_000}
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def report(row: dict) -> None:
+    say("RESULT " + json.dumps(row))
+
+
+def prompts_for(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
+
+
+def preset_vocab(args) -> int:
+    from fourfold.models.presets import PRESETS
+
+    return PRESETS[args.preset]["vocab_size"]
+
+
+# ---------------------------------------------------------------- fourfold side
+
+def model_dir(args):
+    """A checkpoint of the preset with random weights (bf16), written once into --workdir."""
+    import torch
+
+    from fourfold.checkpoint.store import latest_checkpoint, save_checkpoint
+    from fourfold.config import build_config
+    from fourfold.models.llama import Llama
+
+    run_dir = os.path.join(args.workdir, f"model-{args.preset}")
+    if latest_checkpoint(run_dir) is None:
+        t0 = time.perf_counter()
+        cfg = build_config({"model": {"preset": args.preset}})
+        with torch.device(args.device):
+            model = Llama(cfg.model).to(torch.bfloat16)
+        save_checkpoint(run_dir, 0, model, None, {"step": 0, "config": cfg.to_dict(), "tokenizer": "byte"},
+                        keep=1, writer=True)
+        del model
+        say(f"PROGRESS wrote random-weight checkpoint {run_dir} in {time.perf_counter() - t0:.1f}s")
+    return run_dir
+
+
+def wire_decode_graphs(llm, args) -> str:
+    """Put fourfold.infer.cuda_graphs.DecodeGraphs in front of the runner's forward, unless it has graphs."""
+    runner = llm.engine.runner
+    if args.graphs == "off" or args.device != "cuda":
+        return "eager"
+    if getattr(runner, "graphs", None) is not None:
+        return "engine's graphs"
+    from fourfold.infer.cuda_graphs import DecodeGraphs
+    from fourfold.infer.step_tensors import StepTensors
+
+    max_len = getattr(llm.engine, "max_model_len", 2048)
+    pool = runner.pool
+    graphs = DecodeGraphs(lambda *t: runner.decode_forward(StepTensors(*t)), max_batch=args.max_num_seqs,
+                          max_blocks=-(-max_len // pool.block_size), block_size=pool.block_size,
+                          scratch_block=pool.scratch_block, device=llm.engine.runner.device,
+                          compile=args.compile_decode)
+    t0 = time.perf_counter()
+    graphs.capture()
+    say(f"PROGRESS captured decode graphs for {graphs.sizes} in {time.perf_counter() - t0:.1f}s")
+    eager = runner.forward
+
+    def forward(st):
+        return graphs.run(st).float() if graphs.can_run(st) else eager(st)
+
+    runner.forward = forward
+    return "bench-wired DecodeGraphs" + (" + compile" if args.compile_decode else "")
+
+
+def timed_generate(llm, prompts, max_tokens) -> tuple[float, int]:
+    import torch
+
+    from fourfold.infer.requests import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, progress=False)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return time.perf_counter() - t0, sum(len(r.token_ids) for r in results)
+
+
+def build_llm(args, **config):
+    import torch
+
+    from fourfold.infer.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model_dir(args), device=args.device, dtype=torch.bfloat16, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_batched_tokens, **config)
+    say(f"PROGRESS engine ready in {time.perf_counter() - t0:.1f}s")
+    return llm
+
+
+def run_fourfold(args) -> None:
+    llm = build_llm(args)
+    path = wire_decode_graphs(llm, args)
+    vocab = preset_vocab(args)
+    for c in args.concurrency:
+        timed_generate(llm, prompts_for(c, args.prompt_len, vocab, seed=10_000 + c), 4)  # warm-up, other prompts
+        elapsed, tokens = timed_generate(llm, prompts_for(c, args.prompt_len, vocab, seed=c), args.new_tokens)
+        row = {"variant": "fourfold", "concurrency": c, "tokens": tokens, "seconds": elapsed,
+               "tokens_per_s": tokens / elapsed, "decode_path": path}
+        if c == 1:  # decode time per step without prefill: the difference of a long and a short run
+            short, _ = timed_generate(llm, prompts_for(1, args.prompt_len, vocab, seed=5), 32)
+            row["ms_per_step"] = 1000 * (elapsed - short) / (args.new_tokens - 32)
+        report(row)
+    if args.profile:
+        try:
+            profile_decode(llm, args, vocab)
+        except Exception as e:  # the timings above are already reported
+            say(f"PROGRESS decode profile failed: {e!r}")
+
+
+def profile_decode(llm, args, vocab) -> None:
+    """torch.profiler table of five decode steps at batch 1 and 64, written to --out."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from fourfold.infer.requests import SamplingParams
+
+    engine = llm.engine
+    for batch in (1, 64):
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts_for(batch, args.prompt_len, vocab, seed=777 + batch)):
+            engine.add_request(f"profile-{batch}-{i}", p, params)
+        for _ in range(8):  # prefill, then settle into decode steps
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        try:
+            table = averages.table(sort_by="device_time_total", row_limit=25)
+        except Exception:  # older profilers name the column after CUDA
+            table = averages.table(sort_by="cuda_time_total", row_limit=25)
+        with open(os.path.join(args.out, f"decode_profile_b{batch}.txt"), "w") as f:
+            f.write(f"fourfold decode, batch {batch}, 5 engine steps (sampling and scheduling included)\n{table}\n")
+        while engine.has_unfinished():
+            engine.step()
+        say(f"PROGRESS wrote decode_profile_b{batch}.txt")
+
+
+def run_fourfold_prefix(args) -> None:
+    import gc
+
+    import torch
+
+    system = prompts_for(1, args.system_len, preset_vocab(args), seed=99)[0]
+    for caching in (True, False):
+        llm = build_llm(args, enable_prefix_caching=caching)
+        wire_decode_graphs(llm, args)
+        vocab = preset_vocab(args)
+        timed_generate(llm, [system + prompts_for(1, args.prompt_len, vocab, seed=1)[0]], 2)  # the cache holds it
+        prompts = [system + p for p in prompts_for(64, args.prompt_len, vocab, seed=64)]
+        elapsed, tokens = timed_generate(llm, prompts, args.new_tokens)
+        report({"variant": f"fourfold-prefix-{'on' if caching else 'off'}", "concurrency": 64, "tokens": tokens,
+                "seconds": elapsed, "tokens_per_s": tokens / elapsed, "prompt_len": len(prompts[0])})
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+# ---------------------------------------------------------------- Hugging Face side
+
+def hf_model(args, attn: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fourfold.models.presets import PRESETS
+
+    p = PRESETS[args.preset]
+    config = LlamaConfig(vocab_size=p["vocab_size"], hidden_size=p["dim"], intermediate_size=p["ffn_dim"],
+                         num_hidden_layers=p["n_layers"], num_attention_heads=p["n_heads"],
+                         num_key_value_heads=p["n_kv_heads"], max_position_embeddings=p["max_seq_len"],
+                         rope_theta=p["rope_theta"], rms_norm_eps=1e-5, tie_word_embeddings=False)
+    with torch.device(args.device):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
+    return model.eval(), p["vocab_size"]
+
+
+def run_hf(args) -> None:
+    import torch
+
+    name = args.one
+    new = args.hf_new_tokens
+    attn = args.hf_cb_attn if name == "hf-cb" else "sdpa"
+    try:
+        model, vocab = hf_model(args, attn)
+    except Exception as e:  # an older/newer transformers may not know the paged name: fall back, and say so
+        if name != "hf-cb":
+            raise
+        say(f"PROGRESS attn_implementation {attn!r} failed ({e}); using 'sdpa'")
+        attn = "sdpa"
+        model, vocab = hf_model(args, attn)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    if name == "hf-compile":
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 64
+    for c in HF_CONCURRENCY[name]:
+        if c not in args.concurrency and c != 1:
+            continue
+        prompts = prompts_for(c, args.prompt_len, vocab, seed=c)
+        if name == "hf-cb":
+            from transformers import GenerationConfig
+
+            gen_cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+            def go(ps, n=new):
+                gen_cfg.max_new_tokens = n
+                out = model.generate_batch(inputs=ps, generation_config=gen_cfg)
+                return sum(len(o.generated_tokens) for o in out.values())
+        else:
+            extra = {"cache_implementation": "static"} if name == "hf-compile" else {}
+
+            def go(ps, n=new):
+                ids = torch.tensor(ps, device=args.device)
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                     do_sample=False, pad_token_id=0, **extra)
+                return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        warmups = 2 if name == "hf-compile" else 1
+        t0 = time.perf_counter()  # no inference_mode: generate_batch refuses it; both run under no_grad
+        for w in range(warmups):  # other prompts, same shapes
+            go(prompts_for(c, args.prompt_len, vocab, seed=10_000 + c + w))
+        say(f"PROGRESS {name} c={c}: warm-up {time.perf_counter() - t0:.1f}s")
+        sync()
+        t0 = time.perf_counter()
+        tokens = go(prompts)
+        sync()
+        elapsed = time.perf_counter() - t0
+        report({"variant": name, "concurrency": c, "tokens": tokens, "seconds": elapsed,
+                "tokens_per_s": tokens / elapsed, "ms_per_step": 1000 * elapsed / new, "new_tokens": new,
+                "attn_implementation": attn})
+
+
+# ---------------------------------------------------------------- parent: run, collect, write
+
+def run_variant(name: str, args, budget_left: float) -> list[dict]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name, *args.child_argv]
+    timeout = max(30.0, min(TIMEOUTS[name], budget_left))
+    say(f"== {name} (timeout {timeout:.0f}s)")
+    rows, tail = [], []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    start = time.perf_counter()
+    try:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            if time.perf_counter() - start > timeout:
+                proc.kill()
+                rows.append({"variant": name, "error": f"timed out after {timeout:.0f}s"})
+                break
+            if not sel.select(timeout=1.0):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                break
+            line = line.rstrip()
+            tail = (tail + [line])[-40:]
+            if line.startswith("RESULT "):
+                row = json.loads(line[7:])
+                rows.append(row)
+                say(f"   {row['variant']:22s} c={row['concurrency']:<4d} {row['tokens_per_s']:10,.0f} tok/s"
+                    + (f"  {row['ms_per_step']:.3f} ms/step" if "ms_per_step" in row else ""))
+            elif line.startswith("PROGRESS "):
+                say("   " + line[9:])
+    finally:
+        proc.wait()
+    if proc.returncode not in (0, None) and not any("error" in r for r in rows):
+        rows.append({"variant": name, "error": "\n".join(tail[-25:])})
+    if any("error" in r for r in rows):
+        say("   FAILED: " + rows[-1]["error"][-1500:])
+    return rows
+
+
+def markdown(rows: list[dict], args, bound_ms: float) -> str:
+    ok = [r for r in rows if "error" not in r]
+    cols = sorted({r["concurrency"] for r in ok})
+    names = [n for n in ["fourfold", "hf-eager", "hf-compile", "hf-cb", "fourfold-prefix-on", "fourfold-prefix-off"]
+             if any(r["variant"] == n for r in ok)]
+    cell = {(r["variant"], r["concurrency"]): r for r in ok}
+    lines = [f"`{args.preset}` bf16, random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens "
+             f"(HF peers: {args.hf_new_tokens}), greedy; tokens/s end to end.", "",
+             "| engine | " + " | ".join(str(c) for c in cols) + " | ms/step at 1 |", "|---|" + "---:|" * (len(cols) + 1)]
+    for n in names:
+        vals = [f"{cell[(n, c)]['tokens_per_s']:,.0f}" if (n, c) in cell else "—" for c in cols]
+        ms = cell.get((n, 1), {}).get("ms_per_step")
+        lines.append(f"| {n} | " + " | ".join(vals) + f" | {ms:.3f} |" if ms else f"| {n} | " + " | ".join(vals) + " | — |")
+    peers = ["hf-eager", "hf-compile", "hf-cb"]
+    ratio = []
+    for c in cols:
+        best = max((cell[(p, c)]["tokens_per_s"] for p in peers if (p, c) in cell), default=None)
+        ratio.append(f"{cell[('fourfold', c)]['tokens_per_s'] / best:.2f}x" if best and ("fourfold", c) in cell else "—")
+    lines.append("| fourfold / best HF | " + " | ".join(ratio) + " | |")
+    lines += ["", f"Bandwidth bound at batch 1: {bound_ms:.3f} ms/step ({1000 / bound_ms:,.0f} tok/s) = weight bytes / "
+              f"{args.bandwidth / 1e12:.2f} TB/s."]
+    for c, goal in GOALS.items():
+        if ("fourfold", c) in cell:
+            got = cell[("fourfold", c)]["tokens_per_s"]
+            lines.append(f"Goal at {c}: >= {goal:,} tok/s; measured {got:,.0f} ({'met' if got >= goal else 'not met'}).")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(BENCH, "results", "generate"))
+    ap.add_argument("--workdir", default="/tmp/fourfold-bench-generate", help="where the checkpoint is written")
+    ap.add_argument("--variants", default=",".join(ORDER))
+    ap.add_argument("--preset", default="llama-1b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--concurrency", default="1,8,32,64,256")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--system-len", type=int, default=1024, help="shared system prompt of fourfold-prefix")
+    ap.add_argument("--hf-new-tokens", type=int, default=None, help="default: --new-tokens, 64 with --quick")
+    ap.add_argument("--hf-cb-attn", default="paged|sdpa")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--graphs", choices=["auto", "off"], default="auto")
+    ap.add_argument("--compile-decode", action="store_true", help="torch.compile the decode forward before capture")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=480, help="total wall time for all variants")
+    ap.add_argument("--bandwidth", type=float, default=4.26e12, help="GPU memory bandwidth, bytes/s (H200)")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    if args.hf_new_tokens is None:
+        args.hf_new_tokens = 64 if args.quick else args.new_tokens
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.workdir, exist_ok=True)
+    if args.one:
+        {"fourfold": run_fourfold, "fourfold-prefix": run_fourfold_prefix}.get(args.one, run_hf)(args)
+        return 0
+    from fourfold.config import build_config
+    from fourfold.models.llama import parameter_counts
+
+    total_params, _ = parameter_counts(build_config({"model": {"preset": args.preset}}).model)
+    bound_ms = 1000 * total_params * 2 / args.bandwidth
+    args.child_argv = [a for a in sys.argv[1:]]
+    start, rows = time.perf_counter(), []
+    for name in [v for v in ORDER if v in args.variants.split(",")]:
+        left = args.budget_s - (time.perf_counter() - start)
+        if left < 30:
+            rows.append({"variant": name, "error": "skipped: out of --budget-s"})
+            continue
+        rows += run_variant(name, args, left)
+        with open(os.path.join(args.out, "generate.json"), "w") as f:  # after every variant: a crash keeps the rest
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "child_argv"}, "bound_ms_per_step": bound_ms,
+                       "rows": rows}, f, indent=2)
+        with open(os.path.join(args.out, "generate.md"), "w") as f:
+            f.write(markdown(rows, args, bound_ms))
+    say("\n" + markdown(rows, args, bound_ms))
+    say(f"total {time.perf_counter() - start:.0f}s; wrote {args.out}/generate.json and generate.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Starting a run from another run's weights (`[checkpoint] init_from`): its model shape, then its weights.
+
+    cfg = config_with_init_model(cfg)            # [model] taken from the checkpoint's saved config
+    meta = load_init_weights(path, modules)      # model tensors only, resharded to this rank's layout
+
+Only the model's weights are taken: optimizer state, step, data position and loss scale start fresh.
+`path` is a checkpoint directory, a run directory (its newest complete checkpoint), a consolidated
+model directory (`fourfold.checkpoint.consolidated`) or a Hugging Face Llama directory: its shape comes
+from config.json, and rank 0 imports its weights once into `<run dir>/init-from-hf/` (a consolidated
+model, `fourfold.checkpoint.hf_import`), which every rank then loads under its own layout like any
+checkpoint.
+
+Explicit [model] keys: a value in the run's config that differs both from ModelConfig's default and from
+the checkpoint's is a ConfigError naming the key; a value left at its default takes the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch.distributed as dist
+
+from fourfold.checkpoint.hf_import import import_hf, is_hf_dir, read_json
+from fourfold.checkpoint.store import checkpoint_at, load_checkpoint, read_meta
+from fourfold.models.hf import config_from_hf
+from fourfold.config import Config, ModelConfig
+from fourfold.errors import CheckpointError, ConfigError
+
+
+def init_checkpoint(path: str | Path) -> Path:
+    """The complete checkpoint `path` names (a checkpoint, run or consolidated directory)."""
+    found = checkpoint_at(path)
+    if found is None:
+        raise CheckpointError(f"checkpoint.init_from = '{path}': no complete fourfold checkpoint there (a "
+                              "checkpoint directory holds the COMPLETE marker); pass a checkpoints/step_N "
+                              "directory, a run directory or a consolidated model directory.")
+    return found
+
+
+def saved_model_config(path: str | Path) -> dict:
+    """The [model] section a checkpoint was trained with (or a Hugging Face directory describes), as a dict."""
+    if is_hf_dir(path):
+        return config_from_hf(read_json(Path(path) / "config.json"))
+    found = init_checkpoint(path)
+    try:
+        return dict(read_meta(found)["config"]["model"])
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{found / 'meta.json'} holds no config with a [model] section; cannot tell the "
+                              "model's shape.") from None
+
+
+def config_with_init_model(cfg: Config) -> Config:
+    """`cfg` with its [model] section from checkpoint.init_from's saved config (`cfg` itself if it is unset)."""
+    if not cfg.checkpoint.init_from:
+        return cfg
+    saved = saved_model_config(cfg.checkpoint.init_from)
+    defaults = dataclasses.asdict(ModelConfig())
+    mine = dataclasses.asdict(cfg.model)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key, value in mine.items():
+        if key == "preset" or key not in saved:
+            continue
+        if value != defaults[key] and value != saved[key]:
+            raise ConfigError(f"model.{key} = {value!r} disagrees with the checkpoint in checkpoint.init_from "
+                              f"({cfg.checkpoint.init_from}), which has {saved[key]!r}; the model shape comes "
+                              f"from the checkpoint: drop model.{key} or set it to {saved[key]!r}.")
+    model = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+    return dataclasses.replace(cfg, model=model)
+
+
+def load_init_weights(path: str | Path, modules, run_dir: str | Path) -> dict:
+    """Load the model weights at `path` into `modules` (any layout; collective); the checkpoint's meta.
+
+    A Hugging Face directory is first imported by rank 0 into `run_dir`/init-from-hf (kept, so the run
+    records exactly which weights it started from).
+    """
+    if is_hf_dir(path):
+        imported = Path(run_dir) / "init-from-hf"
+        if (not dist.is_initialized() or dist.get_rank() == 0) and checkpoint_at(imported) is None:
+            import_hf(path, imported)
+        if dist.is_initialized():
+            dist.barrier()
+        path = imported
+    return load_checkpoint(init_checkpoint(path), modules, optimizer=None)

@@ -1,0 +1,223 @@
+"""Paged attention on the GPU: one Triton kernel for decode and prefill over the block pool, GQA-aware.
+
+    out = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
+
+The same contract as the engine's torch reference `paged_attention_reference`:
+q (T, hq, d): this step's queries, sequences concatenated; k_cache / v_cache (num_blocks, block_size,
+hkv, d): one layer's pool with this step's k/v already written; block_tables (S, max_blocks) int32;
+seq_lens (S,) int32, tokens cached per sequence after this step; query_start (S+1,) int32: sequence i's
+queries are q[query_start[i]:query_start[i+1]], its last n_i tokens, query j at position
+seq_lens[i] - n_i + j attending causally to positions 0..its own. Returns (T, hq, d) in q's dtype.
+
+How it runs: the queries are cut into tiles of BLOCK_M consecutive tokens of one sequence; one program
+takes a tile and one KV head, with the hq/hkv query heads of that KV head as extra rows, so each K/V
+chunk is read once for all of them (no K/V repeat). It walks the sequence's pages BLOCK_N positions at a
+time (the page of each position looked up in the block table, so any block size works) with an online
+softmax. Decode steps (T == S: one query per sequence) use one-token tiles and split the KV range over
+several programs when the batch alone cannot fill the GPU (split-KV, then a small combine kernel).
+The launch grid and the split count depend only on tensor shapes, and nothing reads device values on the
+host, so a decode step can be captured in a CUDA graph.
+
+Triton is optional: `available()` says whether it imported; CPU users use the torch reference. The
+tests run the kernel on CPU under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the engine uses the torch reference instead.
+    triton = None
+
+SPLIT_TARGET_PROGRAMS = 256
+"""Decode splits the KV range until about this many programs run (roughly two waves on an H100/H200)."""
+MAX_SPLITS = 32
+
+
+def available() -> bool:
+    """Whether Triton imported, so `paged_attention` can run."""
+    return triton is not None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+                       tile_seq_ptr, tile_first_ptr, scale, max_blocks,
+                       stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                       stride_ot, stride_oh, stride_os, stride_bt,
+                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       SPLITS: tl.constexpr):
+        tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        seq = tl.load(tile_seq_ptr + tile)
+        first = tl.load(tile_first_ptr + tile)
+        q_begin = tl.load(query_start_ptr + seq)
+        n_queries = tl.load(query_start_ptr + seq + 1) - q_begin
+        seq_len = tl.load(seq_lens_ptr + seq)
+        rows = tl.arange(0, BLOCK_M * G_PAD)
+        token = first + rows // G_PAD
+        head_in_group = rows % G_PAD
+        row_valid = (token < n_queries) & (head_in_group < GROUP)
+        position = seq_len - n_queries + token  # each row's own position; it sees 0..position
+        head = kv_head * GROUP + head_in_group
+        dims = tl.arange(0, D_PAD)
+        dim_valid = dims < HEAD_DIM
+        q = tl.load(q_ptr + (q_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+        # KV positions this tile needs, cut into SPLITS ranges of whole BLOCK_N chunks.
+        last_token = tl.minimum(first + BLOCK_M, n_queries) - 1
+        kv_len = (seq_len - n_queries + last_token + 1) * (first < n_queries).to(tl.int32)  # 0: surplus tile
+        chunks = tl.cdiv(kv_len, BLOCK_N)
+        per_split = tl.cdiv(chunks, SPLITS)
+        chunk_begin = split * per_split
+        chunk_end = tl.minimum(chunks, chunk_begin + per_split)
+        m_i = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
+        offsets = tl.arange(0, BLOCK_N)
+        for chunk in range(chunk_begin, chunk_end):
+            kv_pos = chunk * BLOCK_N + offsets
+            page = kv_pos // BLOCK_SIZE
+            block = tl.load(block_tables_ptr + seq * stride_bt + page, mask=page < max_blocks, other=0).to(tl.int64)
+            slot = kv_pos % BLOCK_SIZE
+            kv_valid = kv_pos < kv_len
+            k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+                        + dims[None, :], mask=kv_valid[:, None] & dim_valid[None, :], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale
+            visible = (kv_pos[None, :] <= position[:, None]) & kv_valid[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                        + dims[None, :], mask=kv_valid[:, None] & dim_valid[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out_rows = (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        store_mask = row_valid[:, None] & dim_valid[None, :]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if SPLITS == 1:
+            tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:  # this split's normalised output and its log-sum-exp, combined by _combine_kernel
+            tl.store(out_ptr + out_rows + split * stride_os, out, mask=store_mask)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+            lse_rows = ((q_begin + token) * (stride_ot // stride_os) + head * (stride_oh // stride_os)) + split
+            tl.store(lse_ptr + lse_rows, lse, mask=row_valid)
+
+    @triton.jit
+    def _combine_kernel(partial_ptr, lse_ptr, out_ptr, n_heads, stride_ot, stride_oh,
+                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr):
+        # partial (T, hq, SPLITS, d): each split's softmax-normalised output; lse (T, hq, SPLITS) its weight.
+        token, head = tl.program_id(0), tl.program_id(1)
+        base = token * n_heads + head
+        splits = tl.arange(0, SPLITS)
+        dims = tl.arange(0, D_PAD)
+        lse = tl.load(lse_ptr + base * SPLITS + splits)
+        weight = tl.exp(lse - tl.max(lse, axis=0))  # empty splits have lse -inf and weight 0
+        partial = tl.load(partial_ptr + (base * SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+                          mask=dims[None, :] < HEAD_DIM, other=0.0)
+        out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=dims < HEAD_DIM)
+
+
+_last_tiles: list = [None, None]  # [key, value]: one step's tiles, shared by all its layers
+
+
+def _step_tiles(query_start: torch.Tensor, total: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`_tiles`, computed once per step: every layer of a step passes the same query_start tensor object.
+
+    The key holds the tensor weakly with its version (an in-place change recomputes) and whether a CUDA
+    graph is being captured, so a capture computes its tiles inside the graph, never from a warm-up run.
+    """
+    capturing = query_start.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (query_start._version, total, block_m, capturing)
+    ref, cached_key = (_last_tiles[0] or (None, None))
+    if ref is not None and ref() is query_start and cached_key == key:
+        return _last_tiles[1]
+    tiles = _tiles(query_start, total, block_m)
+    _last_tiles[0], _last_tiles[1] = (weakref.ref(query_start), key), tiles
+    return tiles
+
+
+def _tiles(query_start: torch.Tensor, total: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sequence of each tile, its first query index in that sequence, number of tiles), without a host sync.
+
+    The tile count is an upper bound known from shapes alone; surplus tiles get a first index past the
+    sequence's queries and do nothing.
+    """
+    starts = query_start.long()
+    if block_m == 1:
+        count = total
+        tokens = torch.arange(count, device=starts.device)
+        seq = torch.searchsorted(starts[1:], tokens, right=True).clamp_max(starts.numel() - 2)
+        return seq.int(), (tokens - starts[seq]).int(), count
+    n_seqs = starts.numel() - 1
+    count = -(-total // block_m) + n_seqs
+    per_seq = (starts[1:] - starts[:-1] + block_m - 1) // block_m
+    tile_end = per_seq.cumsum(0)
+    tiles = torch.arange(count, device=starts.device)
+    seq = torch.searchsorted(tile_end, tiles, right=True)
+    valid = seq < n_seqs
+    seq = seq.clamp_max(n_seqs - 1)
+    first = (tiles - (tile_end[seq] - per_seq[seq])) * block_m
+    first = torch.where(valid, first, torch.full_like(first, 1 << 30))
+    return seq.int(), first.int(), count
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of this step's queries over the paged pool; see the module docstring."""
+    if triton is None:
+        raise RuntimeError("paged_attention needs Triton; on CPU use the engine's paged_attention_reference")
+    total, n_heads, head_dim = q.shape
+    _, block_size, n_kv_heads, _ = k_cache.shape
+    n_seqs, max_blocks = block_tables.shape
+    group = n_heads // n_kv_heads
+    assert group * n_kv_heads == n_heads and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    g_pad = max(_next_pow2(group), 1)
+    d_pad = max(_next_pow2(head_dim), 16)
+    decode = total <= n_seqs  # every sequence has at most one query: one-token tiles
+    block_m = 1 if decode else max(1, 64 // g_pad)
+    g_pad = max(g_pad, 16 // block_m)  # tl.dot wants at least 16 rows
+    block_n = 32 if decode else 64
+    tile_seq, tile_first, tiles = _step_tiles(query_start, total, block_m)
+    splits = 1
+    if decode:
+        max_chunks = -(-max_blocks * block_size // block_n)
+        wanted = -(-SPLIT_TARGET_PROGRAMS // max(1, tiles * n_kv_heads))
+        splits = min(_next_pow2(wanted), _next_pow2(max_chunks), MAX_SPLITS)
+    out = torch.empty_like(q)
+    if splits == 1:
+        target, lse, out_strides = out, out, (out.stride(0), out.stride(1), 0)
+    else:
+        target = torch.empty(total, n_heads, splits, head_dim, device=q.device, dtype=torch.float32)
+        lse = torch.empty(total, n_heads, splits, device=q.device, dtype=torch.float32)
+        out_strides = (target.stride(0), target.stride(1), target.stride(2))
+    if tiles == 0:
+        return out
+    _attend_kernel[(tiles, n_kv_heads, splits)](
+        q, k_cache, v_cache, target, lse, block_tables, seq_lens, query_start, tile_seq, tile_first,
+        float(scale), max_blocks,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *out_strides, block_tables.stride(0),
+        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, SPLITS=splits, num_warps=4)
+    if splits > 1:
+        _combine_kernel[(total, n_heads)](target, lse, out, n_heads, out.stride(0), out.stride(1),
+                                          HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits, num_warps=1)
+    return out

@@ -1,0 +1,189 @@
+"""The inference engine: requests in, RequestOutput deltas out, one scheduled model step at a time.
+
+    engine = LLMEngine.from_model(model, tokenizer, EngineConfig(), device)
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_unfinished():
+        for out in engine.step():          # one RequestOutput per request that advanced
+            print(out.request_id, out.text_delta)
+
+Each step: the scheduler picks chunks (fourfold.infer.scheduler), the model runner runs them over the
+paged KV cache, the sampler picks a token for every sequence whose prompt is fully computed, and each
+request's stop conditions are checked in this order: eos (unless ignore_eos) or a stop token id
+('stop'), a stop string in the detokenized text ('stop', text cut before it), max_tokens ('length'),
+the context is full ('length': the next token would not fit max_model_len). Finished and aborted
+requests give their blocks back at once. The async API (fourfold.infer.async_engine) and the offline
+`LLM` (fourfold.infer.llm) drive this class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fourfold.errors import ConfigError
+from fourfold.infer.block_manager import BlockManager
+from fourfold.infer.detokenizer import IncrementalDetokenizer
+from fourfold.infer.engine_config import EngineConfig
+from fourfold.infer.kv_pool import KVPool, block_bytes, blocks_for_budget, cuda_budget
+from fourfold.infer.model_runner import ModelRunner
+from fourfold.infer.pipeline_runner import PipelineRunner
+from fourfold.infer.requests import EngineStats, RequestOutput, SamplingParams
+from fourfold.infer.sampler import Sampler
+from fourfold.infer.scheduler import Scheduler
+from fourfold.infer.sequence import Sequence
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    arrival_time: float
+    last_token_time: float | None = None
+
+
+def pool_for(model: nn.Module, cfg: EngineConfig, device: torch.device, kv_heads: int, dtype: torch.dtype,
+             group: dist.ProcessGroup | None = None) -> KVPool:
+    """A KV pool for the blocks `model` holds, sized by `cfg`; ranks of `group` agree on the smallest size."""
+    mcfg = model.cfg
+    first_layer = min(int(name) for name in model.layers)
+    n_layers = len(model.layers)
+    per_block = block_bytes(n_layers, cfg.block_size, kv_heads, mcfg.head_dim, dtype)
+    num = cfg.num_kv_blocks
+    if num == 0:
+        budget = cuda_budget(device, cfg.gpu_memory_utilization) if device.type == "cuda" else cfg.kv_cache_bytes
+        num = blocks_for_budget(budget, per_block)
+    if group is not None:  # ranks that step in lockstep must schedule over the same pool size
+        count = torch.tensor([num], device=device if dist.get_backend(group) == "nccl" else "cpu")
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
+        num = int(count.item())
+    if num < 1:
+        raise ConfigError(f"No room for a KV-cache block ({per_block} bytes): raise gpu_memory_utilization or "
+                          "kv_cache_bytes, or set num_kv_blocks.")
+    return KVPool(n_layers, num, cfg.block_size, kv_heads, mcfg.head_dim, dtype, device, first_layer)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model replica (its tensor-parallel ranks run it in lockstep)."""
+
+    def __init__(self, runner: ModelRunner, tokenizer, cfg: EngineConfig, max_model_len: int,
+                 eos_id: int | None = None, model_name: str = "fourfold", chat_template=None,
+                 sampling_seed: int | None = None):
+        self.runner, self.tokenizer, self.cfg = runner, tokenizer, cfg
+        self.max_model_len, self.model_name, self.chat_template = max_model_len, model_name, chat_template
+        self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
+        pool = runner.pool
+        self.blocks = BlockManager(pool.num_blocks, pool.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len)
+        # Tensor-parallel ranks sample in lockstep: the same seed gives every rank the same draws.
+        generator = None if sampling_seed is None else torch.Generator(runner.device).manual_seed(sampling_seed)
+        self.sampler = Sampler(generator)
+        self.requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._aborted: list[RequestOutput] = []
+        self.prompt_tokens = self.generation_tokens = 0
+
+    @classmethod
+    def from_model(cls, model: nn.Module, tokenizer, cfg: EngineConfig | None = None,
+                   device: torch.device | None = None, kv_heads: int | None = None,
+                   group: dist.ProcessGroup | None = None, pipeline_ranks: list[int] | None = None,
+                   **kwargs) -> "LLMEngine":
+        """An engine for `model` (already on `device`, eval mode) with a KV pool sized by `cfg`.
+
+        Tensor- or pipeline-parallel ranks pass `group` (all of them; the pool size is agreed over it) and,
+        for pipeline stages, `pipeline_ranks` (global ranks in stage order); give them one `sampling_seed`.
+        """
+        cfg = cfg or EngineConfig()
+        device = device or next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        kv_heads = kv_heads or model.cfg.n_kv_heads
+        max_len = min(cfg.max_model_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        pool = pool_for(model, cfg, device, kv_heads, dtype, group)
+        if pipeline_ranks is not None:
+            runner = PipelineRunner(model, pool, device, pipeline_ranks)
+        else:
+            runner = ModelRunner(model, pool, device)
+        if cfg.cuda_graphs:
+            runner.capture_decode_graphs(cfg.max_num_seqs, max_len)
+        return cls(runner, tokenizer, cfg, max_len, **kwargs)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request (text or token ids); ConfigError for bad parameters or one that can never fit."""
+        params = params or SamplingParams()
+        params.check()
+        if request_id in self.requests:
+            raise ConfigError(f"request id {request_id!r} is already in use; give each request its own id.")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        seq = Sequence(request_id, ids, params, next(self._arrivals))
+        self.scheduler.add(seq)
+        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), time.monotonic())
+        self.prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its last output (finish_reason 'abort') comes with the next step."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req.seq, "abort")
+        self._aborted.append(RequestOutput(request_id, [], req.detok.delta(finished=True), True, "abort",
+                                           len(req.seq.prompt_ids), len(req.seq.output_ids),
+                                           cached_prompt_tokens=req.seq.cached_prompt_tokens))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled model step; the outputs of every request that produced a token or finished."""
+        outputs, self._aborted = self._aborted, []
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return outputs
+        logits = self.runner.forward(self.runner.prepare(chunks))
+        self.scheduler.after_step(chunks)
+        sampling = [c.seq for c in chunks if c.samples]
+        if not sampling:
+            return outputs
+        token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling],
+                                                  [s.output_ids for s in sampling])
+        now = time.monotonic()
+        for seq, token, lp in zip(sampling, token_ids.tolist(), logprobs):
+            outputs.append(self._advance(self.requests[seq.request_id], token, lp, now))
+        return outputs
+
+    def _advance(self, req: _Request, token: int, lp, now: float) -> RequestOutput:
+        seq, p = req.seq, req.seq.params
+        seq.output_ids.append(token)
+        self.generation_tokens += 1
+        reason = None
+        if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif req.detok.add(token):
+            reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            req.detok.flush()
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+        out = RequestOutput(seq.request_id, [token], req.detok.delta(finished=reason is not None),
+                            reason is not None, reason, len(seq.prompt_ids), len(seq.output_ids),
+                            [lp] if lp is not None else [], seq.cached_prompt_tokens)
+        if req.last_token_time is None:
+            out.ttft_s = now - req.arrival_time
+        else:
+            out.inter_token_s = now - req.last_token_time
+        req.last_token_time = now
+        return out
+
+    def stats(self) -> EngineStats:
+        """Running/waiting sequences, KV blocks, prefix-cache hit counts, preemptions, token counts."""
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), self.blocks.num_blocks, self.blocks.num_used,
+                           self.blocks.queries, self.blocks.hits, s.preemptions, self.prompt_tokens,
+                           self.generation_tokens)

@@ -1,0 +1,37 @@
+"""The inference engine's settings: KV-cache size, block size, batching limits, prefix caching.
+
+    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024, kv_cache_bytes=256 << 20)
+
+The KV pool's size: `num_kv_blocks` when set; otherwise on CUDA `gpu_memory_utilization` of the GPU's
+memory minus what is in use once the model is loaded, and on CPU `kv_cache_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fourfold.settings import setting
+
+
+@dataclass
+class EngineConfig:
+    """How the engine batches requests and how much memory its KV cache takes."""
+
+    block_size: int = setting(16, ge=1)
+    """Tokens per KV-cache block."""
+    num_kv_blocks: int = setting(0, ge=0)
+    """Blocks in the KV pool; 0 sizes the pool from memory (gpu_memory_utilization or kv_cache_bytes)."""
+    gpu_memory_utilization: float = setting(0.9, gt=0, le=1)
+    """On CUDA: the fraction of the GPU's memory the model and the KV pool may use together."""
+    kv_cache_bytes: int = setting(512 << 20, ge=1)
+    """On CPU: bytes of the KV pool (keys and values of every layer)."""
+    max_num_seqs: int = setting(256, ge=1)
+    """Sequences running at once at most."""
+    max_num_batched_tokens: int = setting(2048, ge=1)
+    """Tokens per engine step at most (decodes first, then prefill chunks)."""
+    max_model_len: int = setting(0, ge=0)
+    """Context length, prompt plus generated tokens; 0 takes the model's max_seq_len."""
+    enable_prefix_caching: bool = setting(True)
+    """Reuse the KV blocks of identical prompt prefixes (hashed full blocks, LRU eviction)."""
+    cuda_graphs: bool = setting(True)
+    """On CUDA (with Triton): replay decode steps from CUDA graphs captured at padded batch sizes."""
