@@ -377,3 +377,27 @@ def test_fallback_finds_an_answer_after_a_question_with_the_same_text():
     conv = [{"role": "user", "content": "Yes."}, {"role": "assistant", "content": "Yes."}]
     text, spans = template.render_with_spans(conv)
     assert text == "Yes.<|im_end|>*Yes.<|im_end|>" and spans == [(15, len(text))]
+
+
+def test_fine_tune_a_hugging_face_model_on_chat_data_from_the_command_line(tmp_path):
+    """The whole path: an HF Llama directory (weights, tokenizer.json, tokenizer_config.json with its chat
+    template) as checkpoint.init_from, chat JSONL as data; its shape (vocab 400) is the one checked."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fourfold.cli import main
+    from fourfold.train.metrics import read_metrics
+
+    folder = write_hf_dir(tmp_path / "hf", SMOL_LIKE)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=128)).save_pretrained(folder)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS] * 4)
+    rc = main(["train", "--out", str(tmp_path / "run"), "--checkpoint.init_from", str(folder),
+               "--data.path", str(chat), "--data.tokenizer", str(folder / "tokenizer.json"),
+               "--data.cache_dir", str(tmp_path / "cache"), "--data.val_fraction", "0", "--train.seq_len", "64",
+               "--train.global_batch", "4", "--train.micro_batch", "2", "--train.steps", "2",
+               "--train.val_every", "0", "--checkpoint.every", "0", "--log.progress", "false",
+               "--compute.device", "cpu", "--sample", ""])
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert rc == 0 and len(losses) == 2 and all(0 < x < 20 for x in losses)
