@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fourfold.config import Config
 from fourfold.mesh import ParallelMesh
@@ -169,6 +170,14 @@ class StepRunner(ABC):
             dist.all_reduce(trained)
             trained = trained / self._replicas_of_data_rank
         self.loss_divisor = trained.clamp(min=1) / (max(1, len(batches)) * self._gradient_ranks)
+
+    def _reshard(self) -> None:
+        """Free the parameters a forward without backward left gathered (FSDP2 reshards the root module only
+        in backward): afterwards the model holds its sharded parameters again, the ones the optimizer and
+        checkpoints name."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the global token-mean loss: its summed loss over `loss_divisor`."""

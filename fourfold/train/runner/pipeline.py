@@ -74,6 +74,7 @@ class PipelineRunner(StepRunner):
             for group in groups:
                 out = self.executor.evaluate(group)
                 total += as_plain_tensor(out) if out is not None else 0.0
+        self._reshard()
         return total / len(groups)
 
     def _clip(self) -> torch.Tensor:

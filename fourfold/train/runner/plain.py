@@ -49,6 +49,7 @@ class PlainRunner(StepRunner):
             inputs, targets, positions = self._prepare(inputs, targets)
             with self.loss_context(), self.autocast():
                 total += as_plain_tensor(self.token_loss(self.model(inputs, positions), targets)).double()
+        self._reshard()
         return total / max(1, len(batches))
 
     def _clip(self) -> torch.Tensor:
