@@ -3,6 +3,7 @@
     python bench/nccl_parity.py                       # every 2-rank layout of the table
     python bench/nccl_parity.py --gpus 4 --layouts fsdp4,tp4-kv-split
     python bench/nccl_parity.py --device cpu --layouts dp2     # a dry run of the script itself, on gloo
+    python bench/nccl_parity.py --data examples/chat_tiny.jsonl    # chat data: the masked loss on every layout
 
 The CPU test suite (tests/distributed/test_layouts.py) checks every row of the same table on gloo; this
 runs the rows through NCCL on real GPUs: each layout trains a small model in float64 for PARITY_STEPS
@@ -47,11 +48,14 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=2, help="run the table's layouts of this many ranks")
     p.add_argument("--layouts", default="", help="comma-separated names from fourfold.testing.LAYOUTS")
     p.add_argument("--device", default="cuda", help="cuda (NCCL), or cpu (gloo) to try the script without GPUs")
+    p.add_argument("--data", default="", help="train on this data.path (e.g. a chat .jsonl) instead of the stdlib")
     args = p.parse_args()
     names = args.layouts.split(",") if args.layouts else [n for n, lay in LAYOUTS.items() if lay.ranks == args.gpus]
     tmp = Path(tempfile.mkdtemp())
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONPATH": ROOT}
     common = [*BASE, "--compute.device", args.device, "--data.cache_dir", str(tmp / "cache")]
+    if args.data:
+        common += ["--data.path", args.data, "--train.seq_len", "128"]
     references: dict[tuple, tuple] = {}
     print(f"{'layout':22s} {'max |loss diff|':>16s} {'max |weight diff|':>18s}  within tolerance")
     for name in names:

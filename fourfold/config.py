@@ -36,6 +36,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 CP_METHODS = ("ring", "allgather")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_SCOPES = ("blocks", "model")
+DATA_FORMATS = ("auto", "text", "jsonl")
 
 
 @dataclass
@@ -208,18 +209,27 @@ class QuantConfig:
 
 @dataclass
 class DataConfig:
-    """The [data] section: text source, tokenizer, cache and validation split."""
+    """The [data] section: text source or chat JSONL, tokenizer, chat template, cache and validation split."""
 
     path: Optional[str] = None
-    """Text file, directory or glob; unset trains on the Python standard library's own source."""
+    """Text or chat .jsonl data: a file, directory or glob; unset trains on the Python standard library's own source."""
+    format: str = setting("auto", choices=DATA_FORMATS)
+    """text (a corpus packed into seq_len windows), jsonl (one {"messages": [...]} conversation or {"text": ...}
+    record per line, one record per padded sequence, loss on assistant tokens only; see
+    fourfold/train/chat_data.py), or auto: jsonl when every file data.path names ends in .jsonl, else text."""
     tokenizer: str = "byte"
     """'byte' (no files needed) or the path of a Hugging Face tokenizer.json."""
+    chat_template: str = "auto"
+    """jsonl data: the chat template conversations are rendered with. auto: the tokenizer_config.json beside
+    data.tokenizer's tokenizer.json (an imported model's own template), else the ChatML default; default:
+    the ChatML default; or a path: a model directory with tokenizer_config.json, such a .json file, or a
+    plain Jinja file."""
     cache_dir: str = ".cache/fourfold"
     """Where tokenized corpora are memory-mapped, keyed by content and tokenizer."""
     val_fraction: float = setting(0.02, ge=0, lt=1)
     """Fraction of sequences held out for validation."""
     max_bytes: int = setting(16_000_000, ge=0)
-    """Read at most this many bytes of text from the source (0: no limit)."""
+    """Read at most this many bytes of text from the source (0: no limit); jsonl data is always read whole."""
 
 
 @dataclass

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fourfold.ops.cross_entropy import cross_entropy
+from fourfold.ops.cross_entropy import IGNORE_INDEX, cross_entropy
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
@@ -54,9 +54,30 @@ def test_compiled_training_loss_matches_the_eager_one(tmp_path):
         targets = torch.randint(0, 70, (2, 24), generator=gen)
         ours = loss_fn(logits, targets)
         (grad,) = torch.autograd.grad(ours * 1.7, logits)
-        ref = F.cross_entropy(logits.detach().float().flatten(0, 1), targets.flatten())
+        # the training loss is the sum over tokens; the runner divides it by the global batch's token count
+        ref = F.cross_entropy(logits.detach().float().flatten(0, 1), targets.flatten(), reduction="sum")
         ref_logits = logits.detach().float().requires_grad_()
-        (ref_grad,) = torch.autograd.grad(1.7 * F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten()), ref_logits)
+        (ref_grad,) = torch.autograd.grad(1.7 * F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(),
+                                                                reduction="sum"), ref_logits)
         assert ours.dtype == torch.float32 and grad.dtype == dtype
-        torch.testing.assert_close(ours.detach(), ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours.detach(), ref, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(grad.float(), ref_grad, rtol=tol, atol=tol * 1e-2)
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_ignored_targets_take_no_loss_and_no_gradient(chunk, reduction):
+    """IGNORE_INDEX targets (padding, chat prompts) are left out of the value, the mean's count and the gradient."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 10, 40, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 40, (3, 10), generator=gen)
+    ignored = torch.rand(3, 10, generator=gen) < 0.4
+    targets[ignored] = IGNORE_INDEX
+    ours = cross_entropy(logits, targets, chunk, reduction)
+    (grad,) = torch.autograd.grad(ours, logits)
+    kept = logits.detach()[~ignored].requires_grad_()
+    ref = F.cross_entropy(kept, targets[~ignored], reduction=reduction)  # only the trained rows exist here
+    (ref_grad,) = torch.autograd.grad(ref, kept)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad[~ignored], ref_grad, rtol=1e-12, atol=1e-15)
+    assert grad[ignored].abs().max() == 0

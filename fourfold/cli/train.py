@@ -42,11 +42,13 @@ def _launch_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
 
 def _check_train_inputs(cfg, args, world: int, out: str) -> None:
     """Everything about a training run that can be checked before any work: layout, device, folders, data."""
+    from fourfold.checkpoint.init_from import config_with_init_model
     from fourfold.distributed import check_device
     from fourfold.layout import validate_layout
     from fourfold.preflight import check_output_dir
     from fourfold.train.dataset import check_data_source
 
+    cfg = config_with_init_model(cfg)  # checkpoint.init_from: the layout and data checks see its model shape
     validate_layout(cfg, world)
     check_device(cfg.compute.device, "--compute.device", args.nproc or 1)
     check_output_dir(out, "--out")

@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from fourfold.errors import LayoutError
 from fourfold.layout import check_tensor_parallel
 from fourfold.models.llama import Llama
+from fourfold.ops.cross_entropy import IGNORE_INDEX
 from fourfold.parallel.tensor_plan import block_plan, outer_plan
 
 
@@ -116,8 +117,9 @@ def loss_context(tp_enabled: bool):
     return loss_parallel() if tp_enabled else contextlib.nullcontext()
 
 
-def compute_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Token-mean cross-entropy of (batch, seq, vocab) logits against (batch, seq) targets.
+def compute_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of (batch, seq, vocab) logits against (batch, seq) targets, skipping IGNORE_INDEX targets:
+    their mean, or with reduction="sum" their sum (what training divides by the global batch's token count).
 
     Plain logits give a plain tensor; vocab-sharded DTensor logits (inside `loss_context(True)`) give
     a replicated 0-d DTensor computed without gathering the vocabulary. Half-precision logits are
@@ -125,4 +127,4 @@ def compute_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction)

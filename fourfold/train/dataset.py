@@ -1,5 +1,9 @@
 """Training data: text sources -> a cached memory-mapped token file -> packed sequences -> per-rank batches.
 
+Two formats (data.format): a text corpus, packed into windows of seq_len + 1 tokens (below), or chat
+JSONL (fourfold/train/chat_data.py): one conversation or document per padded sequence, targets set to
+IGNORE_INDEX where no loss is taken. Either way a dataset gives `pair(i)` -> (inputs, targets).
+
     tokenizer, train_batches, val_batches = build_data(cfg, data_rank, data_world, is_writer)
     micro_batches = train_batches.next_step()      # [(inputs, targets), ...] for this rank
 
@@ -24,9 +28,7 @@ import glob
 import hashlib
 import json
 import math
-import os
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,8 @@ from fourfold.config import Config, DataConfig
 from fourfold.errors import ConfigError
 from fourfold.layout import check_global_batch
 from fourfold.tokenizer import ByteTokenizer, load_tokenizer
+from fourfold.train.cache_files import write_atomic as _write_atomic
+from fourfold.train.chat_data import chat_sequences, chat_template_for, read_records
 
 
 def source_files(path: str | None) -> list[Path]:
@@ -113,21 +117,6 @@ def _encode(docs: list[bytes], tokenizer) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, dtype)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def token_file(data_cfg: DataConfig, tokenizer, rank_is_writer: bool = True) -> Path:
     """Path of the cached token file for these sources and tokenizer, building it if `rank_is_writer`.
 
@@ -182,6 +171,11 @@ class PackedSequences:
     def __len__(self) -> int:
         return self.count
 
+    def pair(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of window i: its first seq_len tokens and its last seq_len tokens."""
+        window = self[i]
+        return window[:-1], window[1:]
+
     def __getitem__(self, i: int) -> torch.Tensor:
         """Window i of this split: seq_len + 1 token ids (inputs are [:-1], targets [1:])."""
         if not 0 <= i < self.count:
@@ -228,18 +222,19 @@ class GlobalBatchSampler:
         self._perm = self._permutation(self.epoch)
 
 
-def _micro_batches(dataset: PackedSequences, indices: list[int], micro_batch: int) -> list[tuple]:
+def _micro_batches(dataset, indices: list[int], micro_batch: int) -> list[tuple]:
+    """(inputs, targets) stacks of `micro_batch` sequences each, from a dataset's `pair`."""
     out = []
     for i in range(0, len(indices), micro_batch):
-        windows = torch.stack([dataset[j] for j in indices[i:i + micro_batch]])
-        out.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
+        pairs = [dataset.pair(j) for j in indices[i:i + micro_batch]]
+        out.append((torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])))
     return out
 
 
 class TrainBatches:
     """This data rank's micro-batches for each optimizer step."""
 
-    def __init__(self, dataset: PackedSequences, sampler: GlobalBatchSampler, micro_batch: int,
+    def __init__(self, dataset, sampler: GlobalBatchSampler, micro_batch: int,
                  data_rank: int, data_world: int):
         check_global_batch(sampler.global_batch, micro_batch, data_world)  # the layout's rule, its words
         if not 0 <= data_rank < data_world:
@@ -264,7 +259,7 @@ class TrainBatches:
         self.sampler.load_state_dict(state)
 
 
-def validation_batches(dataset: PackedSequences, micro_batch: int, n_batches: int, data_rank: int,
+def validation_batches(dataset, micro_batch: int, n_batches: int, data_rank: int,
                        data_world: int) -> list[tuple]:
     """A fixed validation set: n_batches micro-batches per rank, sliced across ranks like training."""
     if len(dataset) == 0 or n_batches == 0:
@@ -281,11 +276,25 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
                           f"{vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}.")
 
 
+def data_format(data_cfg: DataConfig) -> str:
+    """'text' or 'jsonl': data.format, or for 'auto' jsonl exactly when every file data.path names ends in .jsonl."""
+    if data_cfg.format != "auto":
+        if data_cfg.format == "jsonl" and data_cfg.path is None:
+            raise ConfigError("data.format jsonl needs data.path: a .jsonl file, a directory of them or a glob.")
+        return data_cfg.format
+    if data_cfg.path is None:
+        return "text"
+    return "jsonl" if all(f.suffix == ".jsonl" for f in source_files(data_cfg.path)) else "text"
+
+
 def check_data_source(cfg: Config) -> None:
-    """The data rules checkable without reading the corpus: data.path names text files (when set), the tokenizer
-    loads and model.vocab_size covers it. The command line runs this before any work."""
+    """The data rules checkable before any work: data.path names text files (when set), the tokenizer loads and
+    model.vocab_size covers it; for jsonl data, every record is well formed and the chat template loads."""
     if cfg.data.path is not None:
-        source_files(cfg.data.path)
+        files = source_files(cfg.data.path)
+        if data_format(cfg.data) == "jsonl":
+            chat_template_for(cfg.data)
+            read_records(files)
     check_vocab(load_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
 
 
@@ -293,10 +302,14 @@ def build_data(cfg: Config, data_rank: int, data_world: int, is_writer: bool):
     """(tokenizer, TrainBatches, validation micro-batches) for this rank; see the module docstring for barriers."""
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(tokenizer, cfg.model.vocab_size)
-    path = token_file(cfg.data, tokenizer, is_writer)
     t = cfg.train
-    train_set = PackedSequences(path, t.seq_len, "train", cfg.data.val_fraction)
-    val_set = PackedSequences(path, t.seq_len, "val", cfg.data.val_fraction)
+    if data_format(cfg.data) == "jsonl":
+        train_set, val_set = chat_sequences(cfg.data, source_files(cfg.data.path), t.seq_len, tokenizer,
+                                            chat_template_for(cfg.data), is_writer)
+    else:
+        path = token_file(cfg.data, tokenizer, is_writer)
+        train_set = PackedSequences(path, t.seq_len, "train", cfg.data.val_fraction)
+        val_set = PackedSequences(path, t.seq_len, "val", cfg.data.val_fraction)
     sampler = GlobalBatchSampler(len(train_set), t.global_batch, t.seed)
     batches = TrainBatches(train_set, sampler, t.micro_batch, data_rank, data_world)
     val = validation_batches(val_set, t.micro_batch, t.val_batches, data_rank, data_world)

@@ -13,9 +13,15 @@ the fp16 loss scaler) and the finishing of gradients after the last backward: th
 partial-gradient settle, the fp16 unscale and inf/nan check, the global gradient norm and clipping. The
 trainer owns the learning rate, stepping the optimizer, logging, validation and checkpoints.
 
-Every micro-batch's loss is a mean over its tokens and is divided by the number of micro-batches, so the
-accumulated gradient is the gradient of the mean loss over the global batch: the same on every layout,
-which is what the parity tests check.
+The loss of a step is the mean over the trained tokens of the whole global batch (targets equal to
+IGNORE_INDEX, chat prompts and padding, are not trained), not a mean of per-micro-batch means: so
+neither gradient accumulation nor the data-parallel degree changes it. Each micro-batch's loss is the
+SUM of its tokens' losses divided by `loss_divisor` = (trained tokens of the global batch) / (micro-batches
+x ranks whose gradients are averaged, dp * fsdp * cp); divided again by the number of micro-batches and
+averaged over those ranks, the gradients add up to the gradient of that global token mean. The count
+comes from one all-reduce of a scalar per step (every rank counts its own micro-batches' trained
+targets; tp, cp and pp replicas of a data rank count the same batches and are divided out). With every
+target trained (text data) the divisor is the tokens of one local micro-batch: the plain token mean.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fourfold.config import Config
 from fourfold.mesh import ParallelMesh
+from fourfold.ops.cross_entropy import IGNORE_INDEX
 from fourfold.parallel.context import shard_batch as shard_for_context
 from fourfold.parallel.data_parallel import DataParallel
 from fourfold.parallel.tensor import settle_partial_grads
@@ -77,6 +85,11 @@ class StepRunner(ABC):
         self.autocast = PrecisionPolicy.from_config(cfg, self.device).autocast
         self.scaler = DynamicLossScaler(group=None) if cfg.compute.precision == "fp16" else None
         self.loss_fn, self.loss_context = build_loss(cfg, mesh)
+        """loss_fn(logits, targets): the SUM of the trained tokens' losses (see `token_loss` for the step's loss)."""
+        self.loss_divisor = torch.ones((), dtype=torch.float64)
+        """What `token_loss` divides a micro-batch's summed loss by; set for each step by `set_loss_divisor`."""
+        self._gradient_ranks = mesh.data_parallel_size * mesh.size("cp")
+        self._replicas_of_data_rank = mesh.world_size // mesh.data_parallel_size
         self.shard_batch = None
         """Context parallel: (inputs, targets) -> (inputs, targets, positions) of this rank's part of the sequence."""
         if mesh.size("cp") > 1:
@@ -146,6 +159,29 @@ class StepRunner(ABC):
         if self.scaler is not None:
             self.scaler.update(skipped)
         return grad_norm, skipped
+
+    def set_loss_divisor(self, batches: list) -> None:
+        """Set `loss_divisor` for these micro-batches [(inputs, targets, ...)] of this rank (a collective when
+        distributed: every rank calls it with the same number of micro-batches)."""
+        counts = [(batch[1] != IGNORE_INDEX).sum() for batch in batches]
+        trained = (torch.stack(counts).sum().to(self.device, torch.float64) if counts
+                   else torch.zeros((), dtype=torch.float64, device=self.device))
+        if dist.is_initialized() and self.mesh.world_size > 1:
+            dist.all_reduce(trained)
+            trained = trained / self._replicas_of_data_rank
+        self.loss_divisor = trained.clamp(min=1) / (max(1, len(batches)) * self._gradient_ranks)
+
+    def _reshard(self) -> None:
+        """Free the parameters a forward without backward left gathered (FSDP2 reshards the root module only
+        in backward): afterwards the model holds its sharded parameters again, the ones the optimizer and
+        checkpoints name."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the global token-mean loss: its summed loss over `loss_divisor`."""
+        return self.loss_fn(logits, targets) / self.loss_divisor
 
     def _scaled_for_backward(self, loss: torch.Tensor, n_micro: int) -> torch.Tensor:
         """One micro-batch's share of the step's mean loss, times the fp16 loss scale if there is one."""

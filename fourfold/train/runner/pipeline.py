@@ -42,7 +42,7 @@ class PipelineRunner(StepRunner):
         p = cfg.parallel
         self.executor = PipelineExecutor(
             chunks, p.pp_schedule, mesh.coord("pp"), mesh.size("pp"), p.vpp, grad_accumulation_steps(cfg),
-            mesh.group("pp"), self.loss_fn, self.device, master_dtype(cfg.compute.precision),
+            mesh.group("pp"), self.token_loss, self.device, master_dtype(cfg.compute.precision),
             autocast=self.autocast, scale_loss=self.scaler.scale_loss if self.scaler is not None else None,
             grad_sync=lambda i, last: self.dp.grad_sync(self.chunks[i], last),
             activation_shape=stage_activation_shape(cfg, mesh),
@@ -56,6 +56,7 @@ class PipelineRunner(StepRunner):
         return batches if self.shard_batch is None else [self.shard_batch(x, y) for x, y in batches]
 
     def _forward_backward(self, micro_batches: list) -> torch.Tensor:
+        self.set_loss_divisor(micro_batches)
         with self.loss_context():
             loss = self.executor.step(self._sharded(micro_batches))
         return as_plain_tensor(loss) if loss is not None else torch.zeros((), device=self.device)
@@ -64,13 +65,16 @@ class PipelineRunner(StepRunner):
         """Forward-only passes of n_micro batches at a time (batches repeat to fill the last group)."""
         n = self.executor.n_micro
         batches = [batches[i % len(batches)] for i in range(max(n, len(batches)))]
+        batches = batches[:len(batches) // n * n]  # whole groups of n_micro only
+        self.set_loss_divisor(batches)  # counted before context parallel splits the targets
         batches = self._sharded(batches)
         total = torch.zeros((), device=self.device)
-        groups = [batches[i:i + n] for i in range(0, len(batches) - n + 1, n)]
+        groups = [batches[i:i + n] for i in range(0, len(batches), n)]
         with self.loss_context():
             for group in groups:
                 out = self.executor.evaluate(group)
                 total += as_plain_tensor(out) if out is not None else 0.0
+        self._reshard()
         return total / len(groups)
 
     def _clip(self) -> torch.Tensor:

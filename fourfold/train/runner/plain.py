@@ -29,24 +29,27 @@ class PlainRunner(StepRunner):
 
     def _forward_backward(self, micro_batches: list) -> torch.Tensor:
         n = len(micro_batches)
+        self.set_loss_divisor(micro_batches)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, (inputs, targets) in enumerate(micro_batches):
             inputs, targets, positions = self._prepare(inputs, targets)
             with self.grad_sync(i == n - 1), self.loss_context():
                 with self.autocast():
                     logits = self.model(inputs, positions)
-                loss = self.loss_fn(logits, targets)
+                loss = self.token_loss(logits, targets)
                 self._scaled_for_backward(loss, n).backward()
             total += as_plain_tensor(loss.detach())
         return total / n
 
     @torch.no_grad()
     def evaluate(self, batches: list) -> torch.Tensor:
+        self.set_loss_divisor(batches)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for inputs, targets in batches:
             inputs, targets, positions = self._prepare(inputs, targets)
             with self.loss_context(), self.autocast():
-                total += as_plain_tensor(self.loss_fn(self.model(inputs, positions), targets)).double()
+                total += as_plain_tensor(self.token_loss(self.model(inputs, positions), targets)).double()
+        self._reshard()
         return total / max(1, len(batches))
 
     def _clip(self) -> torch.Tensor:
