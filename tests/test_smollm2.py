@@ -95,3 +95,42 @@ def test_imported_model_exports_to_hugging_face(imported, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf_model(ids).logits, model(ids), atol=1e-4, rtol=1e-4)
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_the_engine_answers_a_chat_like_transformers_and_knows_paris(imported, reference):
+    """fourfold's inference engine (paged cache) on the imported model: greedy ids equal transformers'."""
+    from fourfold.infer.llm import LLM
+    from fourfold.infer.requests import SamplingParams
+
+    out, _, _ = imported
+    hf_model, hf_tok = reference
+    llm = LLM(out, dtype="fp32")
+    text = llm.engine.chat_template.render([{"role": "user", "content": "What is the capital of France?"}])
+    ids = llm.tokenizer.encode(text)
+    got = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0))[0]
+    expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    assert got.token_ids == expected[:len(got.token_ids)]
+    assert "Paris" in got.text
+
+
+def test_a_short_chat_fine_tune_lowers_the_loss_on_its_records(imported, tmp_path):
+    """checkpoint.init_from the imported model on examples/chat_tiny.jsonl: its tokenizer and chat template come
+    with it, and a few steps lower the assistant-token loss."""
+    from fourfold.train.metrics import read_metrics
+
+    out, _, _ = imported
+    records = (Path(__file__).resolve().parents[1] / "examples" / "chat_tiny.jsonl").read_text().splitlines()[:4]
+    data = tmp_path / "chat.jsonl"  # four conversations: every step's batch holds all of them
+    data.write_text("\n".join(records) + "\n")
+    assert cli_main(["train", "--out", str(tmp_path / "run"), "--checkpoint.init_from", str(out),
+                     "--data.path", str(data), "--data.cache_dir", str(tmp_path / "cache"),
+                     "--train.seq_len", "96", "--train.global_batch", "4", "--train.micro_batch", "4", "--data.val_fraction", "0",
+                     "--train.steps", "4", "--optim.lr", "1e-4", "--optim.warmup_steps", "0",
+                     "--train.val_every", "0", "--checkpoint.every", "0",
+                     "--log.every", "1", "--log.progress", "false", "--sample", ""]) == 0
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    # the fine-tuned model keeps the imported chat template and end-of-turn id, also once exported
+    assert cli_main(["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert "im_start" in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"]
+    assert (tmp_path / "hf" / "generation_config.json").is_file()

@@ -41,11 +41,16 @@ def special_ids(files: dict[str, bytes]) -> dict:
 
 
 def tokenizer_files(ckpt: Path, config: dict) -> dict[str, bytes]:
-    """The checkpoint's own tokenizer files, else the run's data.tokenizer file; none for the byte tokenizer."""
+    """The checkpoint's own tokenizer files, else those of the run's data.tokenizer (the tokenizer.json and the
+    tokenizer_config.json / generation_config.json beside it: a fine-tuned import keeps its chat template and
+    end-of-turn id); none for the byte tokenizer."""
     files = {n: (ckpt / n).read_bytes() for n in TOKENIZER_FILES if (ckpt / n).is_file()}
     spec = config.get("data", {}).get("tokenizer", "byte")
     if "tokenizer.json" not in files and spec != "byte" and Path(spec).is_file():
-        files["tokenizer.json"] = Path(spec).read_bytes()
+        for name in TOKENIZER_FILES:
+            sibling = Path(spec).with_name(name)
+            if name not in files and sibling.is_file():
+                files[name] = sibling.read_bytes()
     return files
 
 

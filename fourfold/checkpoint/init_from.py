@@ -12,6 +12,8 @@ checkpoint.
 
 Explicit [model] keys: a value in the run's config that differs both from ModelConfig's default and from
 the checkpoint's is a ConfigError naming the key; a value left at its default takes the checkpoint's.
+With data.tokenizer left at 'byte', a source that carries a tokenizer.json (an imported or Hugging Face
+model) trains with that tokenizer, and so with the chat template beside it (data.chat_template = auto).
 """
 
 from __future__ import annotations
@@ -66,7 +68,20 @@ def config_with_init_model(cfg: Config) -> Config:
                               f"({cfg.checkpoint.init_from}), which has {saved[key]!r}; the model shape comes "
                               f"from the checkpoint: drop model.{key} or set it to {saved[key]!r}.")
     model = ModelConfig(**{k: v for k, v in saved.items() if k in known})
-    return dataclasses.replace(cfg, model=model)
+    data = cfg.data
+    own = init_tokenizer(cfg.checkpoint.init_from)
+    if data.tokenizer == "byte" and own is not None:  # an imported model trains with its own tokenizer
+        data = dataclasses.replace(data, tokenizer=own)
+    return dataclasses.replace(cfg, model=model, data=data)
+
+
+def init_tokenizer(path: str | Path) -> str | None:
+    """The tokenizer.json that comes with the weights at `path` (a Hugging Face or imported directory), if any."""
+    folder = Path(path) if is_hf_dir(path) else init_checkpoint(path)
+    for candidate in (folder / "tokenizer.json", folder.parent.parent / "tokenizer.json"):
+        if candidate.is_file():
+            return str(candidate)
+    return None
 
 
 def load_init_weights(path: str | Path, modules, run_dir: str | Path) -> dict:

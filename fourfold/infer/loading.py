@@ -74,19 +74,24 @@ def find_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def _chat_template(ckpt: Path) -> ChatTemplate:
-    """The template of the checkpoint's or its run's tokenizer_config.json, else the default."""
-    for d in (ckpt, ckpt.parent.parent):
+def _chat_template(ckpt: Path, tokenizer_spec: str) -> ChatTemplate:
+    """The template of the checkpoint's, its run's or its tokenizer's tokenizer_config.json, else the default."""
+    beside = [Path(tokenizer_spec).parent] if tokenizer_spec != "byte" else []
+    for d in (ckpt, ckpt.parent.parent, *beside):
         if (d / "tokenizer_config.json").is_file():
             return ChatTemplate.for_model_dir(d)
     return ChatTemplate()
 
 
-def _eos_id(ckpt: Path, tokenizer) -> int | None:
+def _eos_id(ckpt: Path, tokenizer, tokenizer_spec: str = "byte") -> int | None:
     """The id that ends a reply: generation_config.json's eos_token_id (the first, when it lists several; for
-    chat models the end-of-turn token), else the tokenizer's end-of-text token."""
-    config = ckpt / "generation_config.json"
-    if config.is_file():
+    chat models the end-of-turn token) from the checkpoint or beside its tokenizer, else the tokenizer's
+    end-of-text token."""
+    candidates = [ckpt / "generation_config.json"]
+    if tokenizer_spec != "byte":
+        candidates.append(Path(tokenizer_spec).with_name("generation_config.json"))
+    config = next((c for c in candidates if c.is_file()), None)
+    if config is not None:
         try:
             eos = json.loads(config.read_text()).get("eos_token_id")
         except ValueError:
@@ -149,7 +154,8 @@ def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype 
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     if pack_cpu and device.type == "cpu" and tp_mesh is None:
         pack_cpu_linears(model)  # bf16 only; a no-op for other dtypes
-    tokenizer = load_tokenizer(own_tokenizer(ckpt, cfg.data.tokenizer))  # a moved import still finds its own
+    tokenizer_spec = own_tokenizer(ckpt, cfg.data.tokenizer)  # a moved import still finds its own
+    tokenizer = load_tokenizer(tokenizer_spec)
     name = Path(path).resolve().name
-    return LoadedModel(model, tokenizer, name, _chat_template(ckpt), _eos_id(ckpt, tokenizer), cfg,
-                       cfg.model.n_kv_heads // tp, layers)
+    return LoadedModel(model, tokenizer, name, _chat_template(ckpt, tokenizer_spec),
+                       _eos_id(ckpt, tokenizer, tokenizer_spec), cfg, cfg.model.n_kv_heads // tp, layers)
