@@ -56,8 +56,8 @@ def parse_args():
     p.add_argument("--ffn", type=int, default=768)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--pretrain-steps", type=int, default=600)
-    p.add_argument("--finetune-steps", type=int, default=150)
+    p.add_argument("--pretrain-steps", type=int, default=500)
+    p.add_argument("--finetune-steps", type=int, default=120)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--finetune-lr", type=float, default=5e-4)
     p.add_argument("--qat-schemes", default="int4-g256,8da4w-g256")
@@ -66,10 +66,11 @@ def parse_args():
     p.add_argument("--max-bytes", type=int, default=4_000_000)
     p.add_argument("--data", default=None, help="corpus (default: the Python standard library's source)")
     p.add_argument("--cache-dir", default=".cache/fourfold")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (1 is fastest on a busy machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=f"bench/results/{datetime.date.today()}-cpu-qat")
     p.add_argument("--plot", default="docs/images/quant_ppl_vs_group.png")
+    p.add_argument("--from-results", default=None, help="only redo tables, plot and byte counts of this results.json")
     return p.parse_args()
 
 
@@ -99,7 +100,7 @@ def train(model, data, sampler, steps: int, peak_lr: float, warmup: int, label: 
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if (step + 1) % max(1, steps // 5) == 0:
+        if (step + 1) % max(1, steps // 10) == 0:
             print(f"  {label} step {step + 1}/{steps}: loss {sum(losses[-20:]) / len(losses[-20:]):.4f} "
                   f"({time.time() - t0:.0f}s)", flush=True)
     model.eval()
@@ -107,11 +108,51 @@ def train(model, data, sampler, steps: int, peak_lr: float, warmup: int, label: 
 
 
 def model_bytes(model, tmp: Path, meta: dict) -> dict:
-    """Bytes of the model's tensors in memory and of its fourfold checkpoint on disk."""
-    memory = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    """Bytes of the model's tensors in memory (all, and the block linears' alone) and of its checkpoint on disk."""
+    state = model.state_dict()
+    memory = sum(t.numel() * t.element_size() for t in state.values())
+    linears = sum(t.numel() * t.element_size() for k, t in state.items()
+                  if k.startswith("layers.") and "norm" not in k)
     ckpt = save_checkpoint(tmp, 0, model, None, meta, keep=1, writer=True)
     disk = sum(f.stat().st_size for f in ckpt.iterdir())
-    return {"memory_bytes": memory, "disk_bytes": disk}
+    return {"memory_bytes": memory, "block_linear_bytes": linears, "disk_bytes": disk}
+
+
+def all_bytes(cfg, control, converted: dict) -> dict:
+    """model_bytes of the control in bf16 and of each converted model (floats in bf16), via temporary checkpoints."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = {"bf16": model_bytes(copy.deepcopy(control).to(torch.bfloat16), Path(tmp) / "bf16",
+                                   {"config": cfg.to_dict()})}
+        for name, model in converted.items():
+            out[name] = model_bytes(copy.deepcopy(model).to(torch.bfloat16), Path(tmp) / name,
+                                    {"config": cfg.to_dict(), "quant": quant_meta(model)})
+    return out
+
+
+def bench_config(a):
+    flat = {"model.dim": a.dim, "model.n_layers": a.layers, "model.n_heads": a.heads, "model.n_kv_heads": a.heads // 2,
+            "model.ffn_dim": a.ffn, "model.vocab_size": 320, "model.max_seq_len": a.seq, "train.seq_len": a.seq,
+            "data.max_bytes": a.max_bytes, "data.cache_dir": a.cache_dir, "compute.device": "cpu"}
+    if a.data:
+        flat["data.path"] = a.data
+    return build_config({}, {k: str(v) for k, v in flat.items()})
+
+
+def rerender(path: Path, plot_path: str) -> int:
+    """Redo the tables, the plot and (from an untrained model of the same shape: sizes depend only on shapes)
+    the byte counts of a finished run's results.json, without training again."""
+    results = json.loads(path.read_text())
+    a = argparse.Namespace(**results["config"])
+    cfg = bench_config(a)
+    fresh = Llama(cfg.model)
+    fresh.init_weights(0)
+    results["bytes"] = all_bytes(cfg, fresh, {n: ptq(copy.deepcopy(fresh), n) for n in results["qat"]})
+    path.write_text(json.dumps(results, indent=1))
+    (path.parent / "table.md").write_text(markdown_tables(results))
+    print(markdown_tables(results))
+    if plot_path:
+        plot(results, Path(plot_path))
+    return 0
 
 
 def recovered(ptq_ppl: float, qat_ppl: float, fp_ppl: float) -> float | None:
@@ -124,12 +165,9 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     start = time.time()
-    flat = {"model.dim": a.dim, "model.n_layers": a.layers, "model.n_heads": a.heads, "model.n_kv_heads": a.heads // 2,
-            "model.ffn_dim": a.ffn, "model.vocab_size": 320, "model.max_seq_len": a.seq, "train.seq_len": a.seq,
-            "data.max_bytes": a.max_bytes, "data.cache_dir": a.cache_dir, "compute.device": "cpu"}
-    if a.data:
-        flat["data.path"] = a.data
-    cfg = build_config({}, {k: str(v) for k, v in flat.items()})
+    if a.from_results:
+        return rerender(Path(a.from_results), a.plot)
+    cfg = bench_config(a)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     path = token_file(cfg.data, tokenizer)
     train_set = PackedSequences(path, a.seq, "train", cfg.data.val_fraction)
@@ -166,31 +204,28 @@ def main() -> int:
     control = arms.pop("control")
     results["control"] = {"fp32": evaluate(control), "ptq": {}}
     results["qat"] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        bf16 = copy.deepcopy(control).to(torch.bfloat16)
-        results["bytes"] = {"bf16": model_bytes(bf16, Path(tmp) / "bf16", {"config": cfg.to_dict()})}
-        for name, model in arms.items():
-            fake = evaluate(model)
-            convert(model)
-            conv = evaluate(model)
-            ptq_ctrl = evaluate(ptq(copy.deepcopy(control), name))
-            results["control"]["ptq"][name] = ptq_ctrl
-            fp = results["control"]["fp32"]
-            results["qat"][name] = {
-                "fake_quant": fake, "converted": conv,
-                "recovered_token_ppl": recovered(ptq_ctrl["token_ppl"], conv["token_ppl"], fp["token_ppl"]),
-                "recovered_word_ppl": recovered(ptq_ctrl["word_ppl"], conv["word_ppl"], fp["word_ppl"])}
-            meta = {"config": cfg.to_dict(), "quant": quant_meta(model)}
-            results["bytes"][name] = model_bytes(copy.deepcopy(model).to(torch.bfloat16), Path(tmp) / name, meta)
-            r = results["qat"][name]
-            print(f"QAT {name}: converted token ppl {conv['token_ppl']:.4f} (fake-quant {fake['token_ppl']:.4f}); "
-                  f"PTQ of control {ptq_ctrl['token_ppl']:.4f}; control {fp['token_ppl']:.4f}; recovered "
-                  f"{r['recovered_token_ppl']}", flush=True)
+    for name, model in arms.items():
+        fake = evaluate(model)
+        convert(model)
+        conv = evaluate(model)
+        ptq_ctrl = evaluate(ptq(copy.deepcopy(control), name))
+        results["control"]["ptq"][name] = ptq_ctrl
+        fp = results["control"]["fp32"]
+        results["qat"][name] = {
+            "fake_quant": fake, "converted": conv,
+            "recovered_token_ppl": recovered(ptq_ctrl["token_ppl"], conv["token_ppl"], fp["token_ppl"]),
+            "recovered_word_ppl": recovered(ptq_ctrl["word_ppl"], conv["word_ppl"], fp["word_ppl"])}
+        r = results["qat"][name]
+        print(f"QAT {name}: converted token ppl {conv['token_ppl']:.4f} (fake-quant {fake['token_ppl']:.4f}); "
+              f"PTQ of control {ptq_ctrl['token_ppl']:.4f}; control {fp['token_ppl']:.4f}; recovered "
+              f"{r['recovered_token_ppl']}", flush=True)
+    results["bytes"] = all_bytes(cfg, control, arms)
     results["seconds"] = time.time() - start
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results)
+    (out / "table.md").write_text(markdown_tables(results))
     if a.plot:
         plot(results, Path(a.plot))
     print(f"wrote {out / 'results.json'} and {a.plot} in {results['seconds']:.0f}s")
@@ -209,6 +244,29 @@ def print_table(results: dict) -> None:
               f"{'' if rec is None else f'{100 * rec:>10.0f}%'}")
     for name, b in results["bytes"].items():
         print(f"bytes {name}: {b['disk_bytes']} on disk, {b['memory_bytes']} in memory")
+
+
+def markdown_tables(results: dict) -> str:
+    """The results as the two Markdown tables docs/quantization.md shows (PTQ sweep; QAT vs PTQ vs control)."""
+    base, ctrl = results["base"], results["control"]["fp32"]
+    lines = ["| scheme (PTQ, round to nearest) | token ppl | word ppl | token ppl vs full precision |",
+             "|---|---:|---:|---:|",
+             f"| full precision (fp32) | {base['fp32']['token_ppl']:.4f} | {base['fp32']['word_ppl']:.3f} | |"]
+    for name, r in base["ptq"].items():
+        rel = 100 * (r["token_ppl"] / base["fp32"]["token_ppl"] - 1)
+        lines.append(f"| {name} | {r['token_ppl']:.4f} | {r['word_ppl']:.3f} | {rel:+.2f}% |")
+    lines += ["", "| scheme | control (fp32 fine-tune) | PTQ of control | QAT, converted | QAT, fake-quant "
+              "| recovered (token ppl) | recovered (word ppl) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results["qat"].items():
+        p = results["control"]["ptq"][name]
+        rec = [("n/a" if v is None else f"{100 * v:.0f}%") for v in (r["recovered_token_ppl"], r["recovered_word_ppl"])]
+        lines.append(f"| {name} | {ctrl['token_ppl']:.4f} | {p['token_ppl']:.4f} | {r['converted']['token_ppl']:.4f} "
+                     f"| {r['fake_quant']['token_ppl']:.4f} | {rec[0]} | {rec[1]} |")
+    lines += ["", "| model | bytes on disk (checkpoint) | bytes in memory (tensors) | vs bf16 |", "|---|---:|---:|---:|"]
+    bf16 = results["bytes"]["bf16"]["memory_bytes"]
+    for name, b in results["bytes"].items():
+        lines.append(f"| {name} | {b['disk_bytes']:,} | {b['memory_bytes']:,} | {b['memory_bytes'] / bf16:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: Path) -> None:
