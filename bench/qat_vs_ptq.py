@@ -62,10 +62,13 @@ def parse_args():
     p.add_argument("--finetune-lr", type=float, default=5e-4)
     p.add_argument("--qat-schemes", default="int4-g256,8da4w-g256")
     p.add_argument("--ptq-schemes", default=",".join(PTQ_DEFAULT))
+    p.add_argument("--output", action="store_true", help="also quantize the output head (PTQ and QAT alike)")
+    p.add_argument("--embeddings", action="store_true", help="also quantize the token embedding")
     p.add_argument("--eval-sequences", type=int, default=128)
     p.add_argument("--max-bytes", type=int, default=4_000_000)
     p.add_argument("--data", default=None, help="corpus (default: the Python standard library's source)")
     p.add_argument("--cache-dir", default=".cache/fourfold")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda for a larger run (training in fp32 there too)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1 is fastest on a busy machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=f"bench/results/{datetime.date.today()}-cpu-qat")
@@ -92,7 +95,7 @@ def train(model, data, sampler, steps: int, peak_lr: float, warmup: int, label: 
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, peak_lr, warmup)
-        rows = torch.stack([data[i] for i in sampler.next_batch()])
+        rows = torch.stack([data[i] for i in sampler.next_batch()]).to(next(model.parameters()).device)
         logits = model(rows[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
         loss.backward()
@@ -121,10 +124,10 @@ def model_bytes(model, tmp: Path, meta: dict) -> dict:
 def all_bytes(cfg, control, converted: dict) -> dict:
     """model_bytes of the control in bf16 and of each converted model (floats in bf16), via temporary checkpoints."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = {"bf16": model_bytes(copy.deepcopy(control).to(torch.bfloat16), Path(tmp) / "bf16",
+        out = {"bf16": model_bytes(copy.deepcopy(control).to("cpu", torch.bfloat16), Path(tmp) / "bf16",
                                    {"config": cfg.to_dict()})}
         for name, model in converted.items():
-            out[name] = model_bytes(copy.deepcopy(model).to(torch.bfloat16), Path(tmp) / name,
+            out[name] = model_bytes(copy.deepcopy(model).to("cpu", torch.bfloat16), Path(tmp) / name,
                                     {"config": cfg.to_dict(), "quant": quant_meta(model)})
     return out
 
@@ -142,11 +145,12 @@ def rerender(path: Path, plot_path: str) -> int:
     """Redo the tables, the plot and (from an untrained model of the same shape: sizes depend only on shapes)
     the byte counts of a finished run's results.json, without training again."""
     results = json.loads(path.read_text())
-    a = argparse.Namespace(**results["config"])
+    a = argparse.Namespace(**{"data": None, **results["config"]})
     cfg = bench_config(a)
     fresh = Llama(cfg.model)
     fresh.init_weights(0)
-    results["bytes"] = all_bytes(cfg, fresh, {n: ptq(copy.deepcopy(fresh), n) for n in results["qat"]})
+    layers = {"output": getattr(a, "output", False), "embeddings": getattr(a, "embeddings", False)}
+    results["bytes"] = all_bytes(cfg, fresh, {n: ptq(copy.deepcopy(fresh), n, **layers) for n in results["qat"]})
     path.write_text(json.dumps(results, indent=1))
     (path.parent / "table.md").write_text(markdown_tables(results))
     print(markdown_tables(results))
@@ -163,6 +167,8 @@ def recovered(ptq_ppl: float, qat_ppl: float, fp_ppl: float) -> float | None:
 def main() -> int:
     a = parse_args()
     torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    layers = {"output": a.output, "embeddings": a.embeddings}
     torch.manual_seed(a.seed)
     start = time.time()
     if a.from_results:
@@ -175,10 +181,11 @@ def main() -> int:
     print(f"corpus: {len(train_set)} training and {len(val_set)} held-out windows of {a.seq} tokens", flush=True)
 
     def evaluate(model) -> dict:
-        return perplexity(model, val_set, tokenizer, max_sequences=a.eval_sequences, batch=16)
+        return perplexity(model, val_set, tokenizer, max_sequences=a.eval_sequences, batch=16, device=device)
 
     base = Llama(cfg.model)
     base.init_weights(a.seed)
+    base.to(device)
     n_params = sum(p.numel() for p in base.parameters())
     print(f"model: dim {a.dim}, {a.layers} layers, ffn {a.ffn}: {n_params / 1e6:.2f}M parameters", flush=True)
     pre_losses = train(base, train_set, GlobalBatchSampler(len(train_set), a.batch, a.seed), a.pretrain_steps,
@@ -187,7 +194,7 @@ def main() -> int:
                "base": {"fp32": evaluate(base), "ptq": {}}}
     print(f"base: token ppl {results['base']['fp32']['token_ppl']:.4f}", flush=True)
     for name in a.ptq_schemes.split(","):
-        results["base"]["ptq"][name] = evaluate(ptq(copy.deepcopy(base), name))
+        results["base"]["ptq"][name] = evaluate(ptq(copy.deepcopy(base), name, **layers))
         print(f"  PTQ {name}: token ppl {results['base']['ptq'][name]['token_ppl']:.4f}", flush=True)
 
     qat_schemes = [s for s in a.qat_schemes.split(",") if s]
@@ -195,7 +202,7 @@ def main() -> int:
     for arm in ["control"] + qat_schemes:
         model = copy.deepcopy(base)
         if arm != "control":
-            prepare_qat(model, arm)
+            prepare_qat(model, arm, **layers)
         sampler = GlobalBatchSampler(len(train_set), a.batch, a.seed + 1)   # the same batches for every arm
         losses = train(model, train_set, sampler, a.finetune_steps, a.finetune_lr, max(1, a.finetune_steps // 10),
                        f"fine-tune {arm}")
@@ -208,7 +215,7 @@ def main() -> int:
         fake = evaluate(model)
         convert(model)
         conv = evaluate(model)
-        ptq_ctrl = evaluate(ptq(copy.deepcopy(control), name))
+        ptq_ctrl = evaluate(ptq(copy.deepcopy(control), name, **layers))
         results["control"]["ptq"][name] = ptq_ctrl
         fp = results["control"]["fp32"]
         results["qat"][name] = {
@@ -262,10 +269,14 @@ def markdown_tables(results: dict) -> str:
         rec = [("n/a" if v is None else f"{100 * v:.0f}%") for v in (r["recovered_token_ppl"], r["recovered_word_ppl"])]
         lines.append(f"| {name} | {ctrl['token_ppl']:.4f} | {p['token_ppl']:.4f} | {r['converted']['token_ppl']:.4f} "
                      f"| {r['fake_quant']['token_ppl']:.4f} | {rec[0]} | {rec[1]} |")
-    lines += ["", "| model | bytes on disk (checkpoint) | bytes in memory (tensors) | vs bf16 |", "|---|---:|---:|---:|"]
-    bf16 = results["bytes"]["bf16"]["memory_bytes"]
+    lines += ["", "| model | bytes on disk (checkpoint) | bytes in memory (all tensors) | vs bf16 "
+              "| block linears (weights + scales + zero points) | vs bf16 |", "|---|---:|---:|---:|---:|---:|"]
+    bf16 = results["bytes"]["bf16"]
     for name, b in results["bytes"].items():
-        lines.append(f"| {name} | {b['disk_bytes']:,} | {b['memory_bytes']:,} | {b['memory_bytes'] / bf16:.3f} |")
+        lin = b.get("block_linear_bytes")
+        lin_text = "" if lin is None else f"{lin:,} | {lin / bf16['block_linear_bytes']:.3f}"
+        lines.append(f"| {name} | {b['disk_bytes']:,} | {b['memory_bytes']:,} | "
+                     f"{b['memory_bytes'] / bf16['memory_bytes']:.3f} | {lin_text} |")
     return "\n".join(lines) + "\n"
 
 
@@ -289,11 +300,14 @@ def plot(results: dict, path: Path) -> None:
     for name, r in results["qat"].items():
         g = int(name.split("-g")[1].split("-")[0])
         ax.plot([g], [r["converted"]["token_ppl"]], "*", ms=12, label=f"QAT {name} (converted)")
+        ax.plot([g], [results["control"]["ptq"][name]["token_ppl"]], "x", ms=9,
+                label=f"PTQ {name} of the fine-tuned control")
     ax.set_xscale("log", base=2)
     ax.set_xticks(groups, [str(g) for g in groups])
     ax.set_xlabel("group size (input features per scale)")
     ax.set_ylabel("held-out token perplexity")
-    ax.set_title("4-bit weights: PTQ vs QAT (CPU, stdlib corpus)")
+    head = ", head quantized too" if results["config"].get("output") else ""
+    ax.set_title(f"4-bit weights: PTQ vs QAT (CPU, stdlib corpus{head})")
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
