@@ -106,7 +106,7 @@ class LLMEngine:
         if pipeline_ranks is not None:
             runner = PipelineRunner(model, pool, device, pipeline_ranks)
         else:
-            runner = ModelRunner(model, pool, device)
+            runner = ModelRunner(model, pool, device, fuse=None if cfg.fused_decoder else False)
         if cfg.cuda_graphs:
             runner.capture_decode_graphs(cfg.max_num_seqs, max_len)
         return cls(runner, tokenizer, cfg, max_len, **kwargs)

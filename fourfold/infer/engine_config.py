@@ -35,3 +35,5 @@ class EngineConfig:
     """Reuse the KV blocks of identical prompt prefixes (hashed full blocks, LRU eviction)."""
     cuda_graphs: bool = setting(True)
     """On CUDA (with Triton): replay decode steps from CUDA graphs captured at padded batch sizes."""
+    fused_decoder: bool = setting(True)
+    """On CUDA (with Triton): run whole models with fused q|k|v and gate|up weights and fused elementwise kernels."""
