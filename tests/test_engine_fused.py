@@ -87,3 +87,23 @@ def test_engine_with_the_fused_decoder_equals_hugging_face():
     got, _ = run_to_end(engine, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
     for i, p in enumerate(PROMPTS):
         assert got[str(i)] == twin.hf_greedy(p, GREEDY.max_tokens), f"prompt {i}"
+
+
+def test_overlapped_steps_give_the_same_tokens_and_stops():
+    """With `overlap` (the CUDA default, forced here) outputs come a step late but tokens and stops are the same."""
+    twin = Twin()
+    requests = {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}
+    requests["eos"] = (PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0))
+    sync = twin.engine(max_num_batched_tokens=7)
+    want, _ = run_to_end(sync, requests)
+    eos = want["eos"][3]  # make a token the sequence emits its end of sequence
+    sync2, lagged = twin.engine(max_num_batched_tokens=7), twin.engine(max_num_batched_tokens=7)
+    sync2.eos_id = lagged.eos_id = eos
+    lagged.overlap = True
+    want, want_steps = run_to_end(sync2, requests)
+    got, got_steps = run_to_end(lagged, requests)
+    assert got == want and len(got["eos"]) < 10
+    finished = lambda steps: sorted((o.request_id, o.finish_reason) for s in steps for o in s if o.finished)
+    assert finished(got_steps) == finished(want_steps)
+    assert want_steps[0] and not got_steps[0]  # the first step's tokens come with the second step
+    assert lagged.blocks.num_used == sync2.blocks.num_used

@@ -11,7 +11,10 @@ paged KV cache, the sampler picks a token for every sequence whose prompt is ful
 request's stop conditions are checked in this order: eos (unless ignore_eos) or a stop token id
 ('stop'), a stop string in the detokenized text ('stop', text cut before it), max_tokens ('length'),
 the context is full ('length': the next token would not fit max_model_len). Finished and aborted
-requests give their blocks back at once. The async API (fourfold.infer.async_engine) and the offline
+requests give their blocks back at once. With `overlap` (EngineConfig.overlap_steps, CUDA only) a step
+launches the model and the sampler, then builds the previous step's outputs while the GPU works: each
+`step()` returns the outputs of the step before it (the tokens are the same; stop conditions are checked
+before the next step is scheduled, so no sequence runs past its end). The async API (fourfold.infer.async_engine) and the offline
 `LLM` (fourfold.infer.llm) drive this class.
 """
 
@@ -44,6 +47,8 @@ class _Request:
     detok: IncrementalDetokenizer
     arrival_time: float
     last_token_time: float | None = None
+    pending_text: bool = False
+    """The last token's text is decoded when its output is built (no stop string needed it earlier)."""
 
 
 def pool_for(model: nn.Module, cfg: EngineConfig, device: torch.device, kv_heads: int, dtype: torch.dtype,
@@ -86,6 +91,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
         self.prompt_tokens = self.generation_tokens = 0
+        self.overlap = cfg.overlap_steps and runner.device.type == "cuda"
+        self._pending: tuple | None = None  # (requests, device token ids, logprobs) of a launched, unread step
 
     @classmethod
     def from_model(cls, model: nn.Module, tokenizer, cfg: EngineConfig | None = None,
@@ -135,42 +142,73 @@ class LLMEngine:
                                            cached_prompt_tokens=req.seq.cached_prompt_tokens))
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._aborted)
+        return bool(self.requests) or bool(self._aborted) or self._pending is not None
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled model step; the outputs of every request that produced a token or finished."""
+        """Run one scheduled model step; the outputs of every request that produced a token or finished
+        (with `overlap`: those of the previous step, read back while this one runs)."""
         outputs, self._aborted = self._aborted, []
+        previous = self._read_pending() if self.overlap else []
         chunks = self.scheduler.schedule()
-        if not chunks:
+        launched = None
+        if chunks:
+            logits = self.runner.forward(self.runner.prepare(chunks))
+            self.scheduler.after_step(chunks)
+            sampling = [c.seq for c in chunks if c.samples]
+            if sampling:
+                token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling],
+                                                          [s.output_ids for s in sampling])
+                launched = ([self.requests[s.request_id] for s in sampling], token_ids, logprobs)
+        if self.overlap:  # the GPU runs this step while the previous one's text and outputs are built
+            outputs += [self._output(*applied) for applied in previous]
+            self._pending = launched
             return outputs
-        logits = self.runner.forward(self.runner.prepare(chunks))
-        self.scheduler.after_step(chunks)
-        sampling = [c.seq for c in chunks if c.samples]
-        if not sampling:
-            return outputs
-        token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling],
-                                                  [s.output_ids for s in sampling])
-        now = time.monotonic()
-        for seq, token, lp in zip(sampling, token_ids.tolist(), logprobs):
-            outputs.append(self._advance(self.requests[seq.request_id], token, lp, now))
+        if launched is not None:
+            reqs, token_ids, logprobs = launched
+            now = time.monotonic()
+            for req, token, lp in zip(reqs, token_ids.tolist(), logprobs):
+                outputs.append(self._output(req, token, lp, self._apply(req, token), now))
         return outputs
 
-    def _advance(self, req: _Request, token: int, lp, now: float) -> RequestOutput:
+    def _read_pending(self) -> list[tuple]:
+        """Wait for the launched step's tokens, apply them and their stop conditions; `_output` arguments."""
+        if self._pending is None:
+            return []
+        reqs, token_ids, logprobs = self._pending
+        self._pending = None
+        tokens = token_ids.tolist()
+        now = time.monotonic()
+        return [(req, token, lp, self._apply(req, token), now) for req, token, lp in zip(reqs, tokens, logprobs)
+                if not req.seq.is_finished]  # aborted meanwhile: its last output is already queued
+
+    def _apply(self, req: _Request, token: int) -> str | None:
+        """Append `token` to the sequence and finish it when a stop condition holds; the finish reason."""
         seq, p = req.seq, req.seq.params
         seq.output_ids.append(token)
         self.generation_tokens += 1
         reason = None
+        req.pending_text = False
         if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
-        elif req.detok.add(token):
+        elif p.stop and req.detok.add(token):  # stop strings are checked now, plain text later (_output)
             reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        else:
+            req.pending_text = not p.stop
+            if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
         if reason is not None:
-            req.detok.flush()
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
+        return reason
+
+    def _output(self, req: _Request, token: int, lp, reason: str | None, now: float) -> RequestOutput:
+        """The RequestOutput of a token `_apply` took (its text decoded here when no stop string needed it)."""
+        seq = req.seq
+        if req.pending_text:
+            req.detok.add(token)
+        if reason is not None:
+            req.detok.flush()
         out = RequestOutput(seq.request_id, [token], req.detok.delta(finished=reason is not None),
                             reason is not None, reason, len(seq.prompt_ids), len(seq.output_ids),
                             [lp] if lp is not None else [], seq.cached_prompt_tokens)
