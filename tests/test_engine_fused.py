@@ -94,6 +94,7 @@ def test_overlapped_steps_give_the_same_tokens_and_stops():
     twin = Twin()
     requests = {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}
     requests["eos"] = (PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0))
+    requests["seeded"] = (PROMPTS[2], SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True))
     sync = twin.engine(max_num_batched_tokens=7)
     want, _ = run_to_end(sync, requests)
     eos = want["eos"][3]  # make a token the sequence emits its end of sequence
@@ -102,8 +103,9 @@ def test_overlapped_steps_give_the_same_tokens_and_stops():
     lagged.overlap = True
     want, want_steps = run_to_end(sync2, requests)
     got, got_steps = run_to_end(lagged, requests)
-    assert got == want and len(got["eos"]) < 10
+    assert got == want and len(got["eos"]) < 10 and lagged.look_aheads > 5
     finished = lambda steps: sorted((o.request_id, o.finish_reason) for s in steps for o in s if o.finished)
     assert finished(got_steps) == finished(want_steps)
     assert want_steps[0] and not got_steps[0]  # the first step's tokens come with the second step
     assert lagged.blocks.num_used == sync2.blocks.num_used
+    assert set(lagged.blocks.hash_to_block) <= set(sync2.blocks.hash_to_block)  # no placeholder was hashed

@@ -41,6 +41,11 @@ from fourfold.infer.scheduler import Scheduler
 from fourfold.infer.sequence import Sequence
 
 
+PLACEHOLDER = -1
+"""The output token of a launched step until its sampled id is read back (fourfold.infer.block_manager
+does not hash a block that holds one)."""
+
+
 @dataclass
 class _Request:
     seq: Sequence
@@ -92,6 +97,7 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self.prompt_tokens = self.generation_tokens = 0
         self.overlap = cfg.overlap_steps and runner.device.type == "cuda"
+        self.look_aheads = 0  # steps launched before the previous step's tokens were read
         self._pending: tuple | None = None  # (requests, device token ids, logprobs) of a launched, unread step
 
     @classmethod
@@ -137,6 +143,8 @@ class LLMEngine:
         if req is None:
             return
         self.scheduler.finish(req.seq, "abort")
+        while req.seq.output_ids and req.seq.output_ids[-1] == PLACEHOLDER:  # tokens of steps not read yet
+            req.seq.output_ids.pop()
         self._aborted.append(RequestOutput(request_id, [], req.detok.delta(finished=True), True, "abort",
                                            len(req.seq.prompt_ids), len(req.seq.output_ids),
                                            cached_prompt_tokens=req.seq.cached_prompt_tokens))
@@ -149,43 +157,88 @@ class LLMEngine:
         """Run one scheduled model step; the outputs of every request that produced a token or finished
         (with `overlap`: those of the previous step, read back while this one runs)."""
         outputs, self._aborted = self._aborted, []
-        previous = self._read_pending() if self.overlap else []
-        chunks = self.scheduler.schedule()
-        launched = None
-        if chunks:
-            logits = self.runner.forward(self.runner.prepare(chunks))
-            self.scheduler.after_step(chunks)
-            sampling = [c.seq for c in chunks if c.samples]
-            if sampling:
-                token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling],
-                                                          [s.output_ids for s in sampling])
-                launched = ([self.requests[s.request_id] for s in sampling], token_ids, logprobs)
-        if self.overlap:  # the GPU runs this step while the previous one's text and outputs are built
-            outputs += [self._output(*applied) for applied in previous]
-            self._pending = launched
+        if not self.overlap:
+            launched = self._launch()
+            if launched is not None:
+                outputs += [self._output(*a) for a in self._read(launched)]
             return outputs
-        if launched is not None:
-            reqs, token_ids, logprobs = launched
-            now = time.monotonic()
-            for req, token, lp in zip(reqs, token_ids.tolist(), logprobs):
-                outputs.append(self._output(req, token, lp, self._apply(req, token), now))
-        return outputs
+        previous, self._pending = self._pending, None
+        if previous is not None and self._can_look_ahead(previous):
+            self.look_aheads += 1
+            self._pending = self._launch(previous)  # the previous tokens go in on the device
+            applied = self._read(previous)
+        else:
+            applied = self._read(previous) if previous is not None else []
+            self._pending = self._launch()
+        return outputs + [self._output(*a) for a in applied]
 
-    def _read_pending(self) -> list[tuple]:
-        """Wait for the launched step's tokens, apply them and their stop conditions; `_output` arguments."""
-        if self._pending is None:
-            return []
-        reqs, token_ids, logprobs = self._pending
-        self._pending = None
+    def _launch(self, previous: tuple | None = None) -> tuple | None:
+        """Schedule a step, run the model and the sampler (asynchronously on CUDA); what `_read` needs.
+
+        Each sampling sequence gets a placeholder token that `_read` replaces; with `previous` (its tokens
+        not read yet) the placeholders of that step are filled on the device from its sampled ids.
+        """
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return None
+        st = self.runner.prepare(chunks)
+        if previous is not None:
+            self._fill_placeholders(st, chunks, previous)
+        logits = self.runner.forward(st)
+        self.scheduler.after_step(chunks)
+        sampling = [c.seq for c in chunks if c.samples]
+        if not sampling:
+            return None
+        token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling], [s.output_ids for s in sampling])
+        reqs = [self.requests[s.request_id] for s in sampling]
+        slots = []
+        for seq in sampling:
+            seq.output_ids.append(PLACEHOLDER)
+            slots.append(len(seq.output_ids) - 1)
+        return reqs, slots, token_ids, logprobs
+
+    def _fill_placeholders(self, st, chunks, previous: tuple) -> None:
+        """Put `previous`'s sampled ids (still on the device) where this step's tokens hold its placeholders."""
+        reqs, slots, token_ids, _ = previous
+        source = {id(req.seq): (i, len(req.seq.prompt_ids) + slot) for i, (req, slot) in enumerate(zip(reqs, slots))}
+        dst, src, offset = [], [], 0
+        for c in chunks:
+            a = c.seq.num_computed
+            i, position = source.get(id(c.seq), (None, -1))
+            if i is not None and a <= position < a + c.num_tokens:
+                dst.append(offset + position - a)
+                src.append(i)
+            offset += c.num_tokens
+        if dst:
+            index = torch.tensor(dst + src, dtype=torch.long).to(st.tokens.device, non_blocking=True)
+            st.tokens.index_copy_(0, index[:len(dst)], token_ids.index_select(0, index[len(dst):]))
+
+    def _can_look_ahead(self, previous: tuple) -> bool:
+        """Whether the next step can be scheduled before `previous`'s tokens are read: nothing waits to be
+        admitted, no pending token ends its sequence by length, and no running sequence uses penalties."""
+        if self.scheduler.waiting:
+            return False
+        for req, slot in zip(previous[0], previous[1]):
+            seq, p = req.seq, req.seq.params
+            if slot + 1 >= p.max_tokens or len(seq.prompt_ids) + slot + 1 >= self.max_model_len:
+                return False
+        return not any(s.params.repetition_penalty != 1.0 or s.params.frequency_penalty != 0.0
+                       or s.params.presence_penalty != 0.0 for s in self.scheduler.running)
+
+    def _read(self, launched: tuple) -> list[tuple]:
+        """Wait for a launched step's tokens, put them in place of its placeholders and apply the stop
+        conditions; the `_output` arguments of each sequence still running."""
+        reqs, slots, token_ids, logprobs = launched
         tokens = token_ids.tolist()
         now = time.monotonic()
-        return [(req, token, lp, self._apply(req, token), now) for req, token, lp in zip(reqs, tokens, logprobs)
+        return [(req, token, lp, self._apply(req, token, slot), now)
+                for req, slot, token, lp in zip(reqs, slots, tokens, logprobs)
                 if not req.seq.is_finished]  # aborted meanwhile: its last output is already queued
 
-    def _apply(self, req: _Request, token: int) -> str | None:
-        """Append `token` to the sequence and finish it when a stop condition holds; the finish reason."""
+    def _apply(self, req: _Request, token: int, slot: int) -> str | None:
+        """Put `token` at output slot `slot` and finish the sequence when a stop condition holds; the reason."""
         seq, p = req.seq, req.seq.params
-        seq.output_ids.append(token)
+        seq.output_ids[slot] = token
         self.generation_tokens += 1
         reason = None
         req.pending_text = False
@@ -195,9 +248,10 @@ class LLMEngine:
             reason = "stop"
         else:
             req.pending_text = not p.stop
-            if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            if slot + 1 >= p.max_tokens or len(seq.prompt_ids) + slot + 1 >= self.max_model_len:
                 reason = "length"
         if reason is not None:
+            del seq.output_ids[slot + 1:]  # a look-ahead step's placeholder
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
         return reason
