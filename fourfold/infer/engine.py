@@ -163,7 +163,7 @@ class LLMEngine:
                 outputs += [self._output(*a) for a in self._read(launched)]
             return outputs
         previous, self._pending = self._pending, None
-        if previous is not None and self._can_look_ahead(previous):
+        if previous is not None and self.cfg.look_ahead and self._can_look_ahead(previous):
             self.look_aheads += 1
             self._pending = self._launch(previous)  # the previous tokens go in on the device
             applied = self._read(previous)
@@ -210,7 +210,7 @@ class LLMEngine:
                 src.append(i)
             offset += c.num_tokens
         if dst:
-            index = torch.tensor(dst + src, dtype=torch.long).to(st.tokens.device, non_blocking=True)
+            index = self.runner.upload(dst + src, torch.long)  # pinned: a pageable copy would wait for the GPU
             st.tokens.index_copy_(0, index[:len(dst)], token_ids.index_select(0, index[len(dst):]))
 
     def _can_look_ahead(self, previous: tuple) -> bool:

@@ -39,3 +39,5 @@ class EngineConfig:
     """On CUDA (with Triton): run whole models with fused q|k|v and gate|up weights and fused elementwise kernels."""
     overlap_steps: bool = setting(True)
     """On CUDA: build a step's outputs while the next step runs on the GPU (outputs come one step later)."""
+    look_ahead: bool = setting(True)
+    """With overlap_steps: launch the next decode step before the previous step's tokens are read back."""

@@ -26,6 +26,9 @@ from fourfold.infer.paged_attention import CpuAttentionPlan, PagedStep
 from fourfold.infer.scheduler import ScheduledChunk
 from fourfold.infer.step_tensors import StepTensors
 
+UPLOAD_RING = 8
+"""Pinned host buffers per dtype that step uploads rotate through."""
+
 
 def full_logits(logits: torch.Tensor) -> torch.Tensor:
     """Logits as a plain tensor with the whole vocabulary (tensor parallel leaves them vocab-sharded)."""
@@ -43,8 +46,8 @@ class ModelRunner:
         if fuse is None:
             fuse = device.type == "cuda" and attention_gpu.available()
         self.fused = FusedDecoder.from_model(model) if fuse else None
-        self._pinned: dict[torch.dtype, torch.Tensor] = {}
-        self._upload_done: dict[torch.dtype, torch.cuda.Event] = {}  # last copy out of each pinned buffer
+        self._pinned: dict[torch.dtype, list] = {}  # per dtype a ring of (pinned buffer, event after its copy)
+        self._upload_turn: dict[torch.dtype, int] = {}
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """On CUDA with the Triton kernel: capture decode steps of up to `max_batch` sequences (padded sizes)."""
@@ -80,23 +83,34 @@ class ModelRunner:
                                torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
                                torch.tensor(sample_at, dtype=torch.long))
         t, s, r = len(tokens), len(lens), len(sample_at)
-        wide = self._upload(tokens + positions + slots + sample_at, torch.long)
-        narrow = self._upload([b for row in tables for b in row] + lens + starts, torch.int32)
+        wide = self.upload(tokens + positions + slots + sample_at, torch.long)
+        narrow = self.upload([b for row in tables for b in row] + lens + starts, torch.int32)
         return StepTensors(wide[:t], wide[t:2 * t], wide[2 * t:3 * t], narrow[:s * max_blocks].view(s, max_blocks),
                            narrow[s * max_blocks:s * max_blocks + s], narrow[s * max_blocks + s:], wide[3 * t:3 * t + r])
 
-    def _upload(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """`values` on the device, through a pinned host buffer and one non-blocking copy."""
+    def upload(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """`values` on the device; on CUDA through pinned host buffers and one non-blocking copy.
+
+        A copy waits in the stream behind the step before it, so each dtype has a ring of buffers and a
+        buffer is refilled only once its copy has run (several uploads later: no wait in practice).
+        """
         host = torch.tensor(values, dtype=dtype)
-        buf = self._pinned.get(dtype)
-        if buf is None or buf.numel() < host.numel():
-            buf = self._pinned[dtype] = torch.empty(max(4096, 2 * host.numel()), dtype=dtype, pin_memory=True)
-        if dtype in self._upload_done:
-            self._upload_done[dtype].synchronize()  # the previous step's copy out of this buffer has finished
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        ring = self._pinned.setdefault(dtype, [])
+        turn = self._upload_turn.get(dtype, 0)
+        self._upload_turn[dtype] = (turn + 1) % UPLOAD_RING
+        if len(ring) <= turn or ring[turn][0].numel() < host.numel():
+            buf = torch.empty(max(4096, 2 * host.numel()), dtype=dtype, pin_memory=True)
+            ring[turn:turn + 1] = [(buf, None)]
+        buf, done = ring[turn]
+        if done is not None:
+            done.synchronize()
         buf[:host.numel()].copy_(host)
         out = buf[:host.numel()].to(self.device, non_blocking=True)
-        self._upload_done[dtype] = event = torch.cuda.Event()
+        event = torch.cuda.Event()
         event.record()
+        ring[turn] = (buf, event)
         return out
 
     def decode_forward(self, st: StepTensors) -> torch.Tensor:
