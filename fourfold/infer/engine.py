@@ -98,7 +98,7 @@ class LLMEngine:
         self.prompt_tokens = self.generation_tokens = 0
         self.overlap = cfg.overlap_steps and runner.device.type == "cuda"
         self.look_aheads = 0  # steps launched before the previous step's tokens were read
-        self._pending: tuple | None = None  # (requests, device token ids, logprobs) of a launched, unread step
+        self._pending: tuple | None = None  # what _launch returned for a launched step not read yet
 
     @classmethod
     def from_model(cls, model: nn.Module, tokenizer, cfg: EngineConfig | None = None,
@@ -195,11 +195,17 @@ class LLMEngine:
         for seq in sampling:
             seq.output_ids.append(PLACEHOLDER)
             slots.append(len(seq.output_ids) - 1)
-        return reqs, slots, token_ids, logprobs
+        host, ready = token_ids, None
+        if token_ids.is_cuda:  # read back through pinned memory: a later step queued behind it need not finish
+            host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            host.copy_(token_ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return reqs, slots, token_ids, logprobs, host, ready
 
     def _fill_placeholders(self, st, chunks, previous: tuple) -> None:
         """Put `previous`'s sampled ids (still on the device) where this step's tokens hold its placeholders."""
-        reqs, slots, token_ids, _ = previous
+        reqs, slots, token_ids = previous[:3]
         source = {id(req.seq): (i, len(req.seq.prompt_ids) + slot) for i, (req, slot) in enumerate(zip(reqs, slots))}
         dst, src, offset = [], [], 0
         for c in chunks:
@@ -228,8 +234,10 @@ class LLMEngine:
     def _read(self, launched: tuple) -> list[tuple]:
         """Wait for a launched step's tokens, put them in place of its placeholders and apply the stop
         conditions; the `_output` arguments of each sequence still running."""
-        reqs, slots, token_ids, logprobs = launched
-        tokens = token_ids.tolist()
+        reqs, slots, _, logprobs, host, ready = launched
+        if ready is not None:
+            ready.synchronize()
+        tokens = host.tolist()
         now = time.monotonic()
         return [(req, token, lp, self._apply(req, token, slot), now)
                 for req, slot, token, lp in zip(reqs, slots, tokens, logprobs)
