@@ -222,7 +222,7 @@ class LLMEngine:
     def _can_look_ahead(self, previous: tuple) -> bool:
         """Whether the next step can be scheduled before `previous`'s tokens are read: nothing waits to be
         admitted, no pending token ends its sequence by length, and no running sequence uses penalties."""
-        if self.scheduler.waiting:
+        if self.scheduler.waiting or len(self.scheduler.running) > self.cfg.look_ahead_max_seqs:
             return False
         for req, slot in zip(previous[0], previous[1]):
             seq, p = req.seq, req.seq.params
