@@ -5,6 +5,7 @@ import copy
 
 import torch
 
+from fourfold.infer.cpu_linear import pack_cpu_linears
 from fourfold.infer.engine import LLMEngine
 from fourfold.infer.engine_config import EngineConfig
 from fourfold.infer.fused_decoder import FusedDecoder, can_fuse
@@ -64,6 +65,9 @@ def test_fusing_keeps_the_model_weights_as_views():
     block = decoder.blocks[0][1]
     assert att.wk.weight.data_ptr() == block.qkv[att.wq.weight.shape[0]:].data_ptr()
     torch.testing.assert_close(model(torch.tensor([PROMPTS[1]])), want, rtol=0, atol=0)
+    packed = tiny_model().to(torch.bfloat16)
+    pack_cpu_linears(packed)  # packed oneDNN linears are not plain nn.Linear: left alone
+    assert not can_fuse(packed)
     model.tok_embeddings = None
     assert not can_fuse(model)
 

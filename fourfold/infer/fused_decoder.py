@@ -44,12 +44,19 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def can_fuse(model: nn.Module) -> bool:
-    """Whether `model` is a whole fourfold Llama with plain (non-DTensor) weights."""
+    """Whether `model` is a whole fourfold Llama with plain nn.Linear, non-DTensor weights."""
     if getattr(model, "tok_embeddings", None) is None or getattr(model, "output", None) is None:
         return False
     if getattr(model, "norm", None) is None or not hasattr(model, "layers"):
         return False
-    return not any(hasattr(p, "full_tensor") for p in model.parameters())
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        return False
+    for block in model.layers.values():  # plain floating-point Linears only (not packed or quantized ones)
+        att, ffn = block.attention, block.feed_forward
+        linears = [att.wq, att.wk, att.wv, att.wo, ffn.w1, ffn.w2, ffn.w3]
+        if any(type(lin) is not nn.Linear or not lin.weight.is_floating_point() for lin in linears):
+            return False
+    return True
 
 
 class _FusedBlock:
