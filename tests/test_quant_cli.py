@@ -14,6 +14,8 @@ import torch
 from fourfold.checkpoint.store import latest_checkpoint, read_meta
 from fourfold.cli import main
 from fourfold.infer.generate import SamplingOptions, generate, load_for_inference
+from fourfold.infer.llm import LLM
+from fourfold.infer.requests import SamplingParams
 from fourfold.quant.packing import Int4WeightLinear
 from tests.trainer_helpers import tiny_config, write_corpus
 
@@ -61,6 +63,9 @@ def test_ptq_checkpoint_generates_and_evaluates(runs, capsys):
     assert isinstance(model.layers["0"].attention.wq, Int4WeightLinear)
     ids = generate(model, [5, 6, 7], SamplingOptions(max_new_tokens=4, temperature=0), torch.device("cpu"))
     assert len(ids) == 4
+    engine = LLM(runs / "fp-8da4w", dtype="fp32", block_size=4, num_kv_blocks=16)  # the engine loads it too
+    assert isinstance(engine.engine.runner.model.layers["0"].attention.wq, Int4WeightLinear)
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids == ids
     fp, q = _eval(runs / "fp", capsys), _eval(runs / "fp-8da4w", capsys)
     assert fp["model"] == "full precision" and q["token_ppl"] != fp["token_ppl"]
     assert main(["generate", "--checkpoint", str(runs / "fp-8da4w"), "--prompt", "de", "--max-new-tokens", "3",

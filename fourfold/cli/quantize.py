@@ -52,6 +52,7 @@ def main(argv: list[str], console: Console) -> int:
     from fourfold.config import build_config
     from fourfold.models.llama import Llama
     from fourfold.preflight import check_output_dir
+    from fourfold.checkpoint.consolidated import extra_files_of
     from fourfold.quant.qat import (METHODS, apply_checkpoint_quant, check_device_runs, check_scheme_fits, convert,
                                     ptq, quant_meta)
     from fourfold.quant.schemes import scheme_by_name
@@ -94,8 +95,7 @@ def main(argv: list[str], console: Console) -> int:
     else:
         ptq(model, scheme, method=a.method, embeddings=embeddings, output=output)
     after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    extra = {f.name: f.read_bytes() for f in Path(ckpt).iterdir()
-             if f.is_file() and f.name != "meta.json" and not f.name.startswith(("model-", "optim-"))}
+    extra = extra_files_of(Path(ckpt))  # tokenizer and chat-template files, not the checkpoint's bookkeeping
     out_meta = {"config": meta["config"], "quant": quant_meta(model), "tokenizer": meta.get("tokenizer"),
                 "quantized_from": str(ckpt)}
     path = save_checkpoint(Path(a.out), int(meta.get("step", 0)), model, None, out_meta, keep=0, writer=True,
