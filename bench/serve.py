@@ -111,7 +111,7 @@ def servers(args, hf_dir: Path, ff_dir: Path) -> list[tuple[str, list[str], str]
            ("fourfold no chunking", [*ff, "--no-chunked-prefill"], "bench")]
     if args.peer:
         out.append(("transformers serve (continuous batching)",
-                    [str(Path(sys.executable).with_name("transformers")), "serve", "--force-model", str(hf_dir),
+                    [str(Path(sys.executable).with_name("transformers")), "serve", str(hf_dir),
                      "--continuous-batching", "--port", str(args.port), "--host", "127.0.0.1", "--dtype", "bfloat16"],
                     str(hf_dir)))
     return out
@@ -143,11 +143,11 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/serve")
     ap.add_argument("--preset", default="llama-1b")
     ap.add_argument("--max-len", type=int, default=8192)
-    ap.add_argument("--rates", default="2,4,8,16")
-    ap.add_argument("--requests", type=int, default=40, help="requests per rate")
+    ap.add_argument("--rates", default="8,16,32,64")
+    ap.add_argument("--requests", type=int, default=120, help="requests per rate")
     ap.add_argument("--long-fraction", type=float, default=0.1)
-    ap.add_argument("--long-tokens", type=int, default=4000)
-    ap.add_argument("--chunk", type=int, default=512, help="token budget per step with chunked prefill")
+    ap.add_argument("--long-tokens", type=int, default=6000)
+    ap.add_argument("--chunk", type=int, default=2048, help="token budget per step with chunked prefill")
     ap.add_argument("--itl-targets", default="50,200", help="P99 ITL targets (ms) for capacity")
     ap.add_argument("--slo-ttft", type=float, default=2000)
     ap.add_argument("--slo-tpot", type=float, default=100)
@@ -155,6 +155,7 @@ def main() -> int:
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--fourfold-args", default="", help="extra flags for fourfold serve")
     ap.add_argument("--startup-timeout", type=float, default=300)
+    ap.add_argument("--request-timeout", type=float, default=120, help="client timeout per request (s)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,7 +180,7 @@ def main() -> int:
             asyncio.run(run_load(url, model_id, warm, 100.0, 99))
             for i, rate in enumerate(rates):
                 work = make_workload(args.requests, words, 1000 + i, args.long_fraction, args.long_tokens, per_word)
-                res, wall = asyncio.run(run_load(url, model_id, work, rate, 1000 + i))
+                res, wall = asyncio.run(run_load(url, model_id, work, rate, 1000 + i, args.request_timeout))
                 summary = {"rate": rate, **summarize(res, wall, args.slo_ttft, args.slo_tpot)}
                 runs.append(summary)
                 print(json.dumps(summary), flush=True)
