@@ -206,7 +206,7 @@ def launch(args, name: str, budget_left: float, graphs: str) -> list[dict]:
     timeout = max(20.0, min(TIMEOUTS[name] * args.timeout_scale, budget_left))
     say(f"== {name} (graphs {graphs}, timeout {timeout:.0f}s)")
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+           "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
                             start_new_session=True)
     rows, tail, start = [], [], time.perf_counter()
@@ -331,7 +331,8 @@ def main() -> int:
     args.child_argv = ["--workdir", args.workdir, "--preset", args.preset, "--device", args.device,
                        "--concurrency", ",".join(map(str, args.concurrency)), "--prompt-len", str(args.prompt_len),
                        "--new-tokens", str(args.new_tokens), "--max-num-seqs", str(args.max_num_seqs),
-                       "--max-batched-tokens", str(args.max_batched_tokens), "--kv-cache-bytes", str(args.kv_cache_bytes)]
+                       "--max-batched-tokens", str(args.max_batched_tokens),
+                       "--kv-cache-bytes", str(args.kv_cache_bytes)]
     rows: list[dict] = []
     for name in ["write", *args.variants.split(",")]:
         left = args.budget_s - (time.perf_counter() - start)
