@@ -33,7 +33,7 @@ ROOT = os.path.dirname(BENCH)
 sys.path[:0] = [ROOT]
 
 NPROC = {"write": 1, "tp1": 1, "tp2": 2, "pp2": 2}
-TIMEOUTS = {"write": 240, "tp1": 150, "tp2": 150, "pp2": 170}
+TIMEOUTS = {"write": 240, "tp1": 180, "tp2": 180, "pp2": 180}
 PARITY_PROMPTS, PARITY_TOKENS = 8, 32
 
 
