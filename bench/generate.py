@@ -136,7 +136,8 @@ def build_llm(args, **config):
 
 
 def run_fourfold(args) -> None:
-    llm = build_llm(args)
+    llm = build_llm(args, fused_decoder=not args.no_fused, overlap_steps=not args.no_overlap,
+                    look_ahead=not args.no_look_ahead)
     path = wire_decode_graphs(llm, args)
     vocab = preset_vocab(args)
     for c in args.concurrency:
@@ -367,6 +368,9 @@ def main() -> int:
     ap.add_argument("--graphs", choices=["auto", "off"], default="auto")
     ap.add_argument("--compile-decode", action="store_true", help="torch.compile the decode forward before capture")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="fourfold: the model's own forward (no fused decoder)")
+    ap.add_argument("--no-overlap", action="store_true", help="fourfold: read each step's tokens before returning")
+    ap.add_argument("--no-look-ahead", action="store_true", help="fourfold: overlap output building only")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget-s", type=float, default=480, help="total wall time for all variants")
     ap.add_argument("--bandwidth", type=float, default=4.26e12, help="GPU memory bandwidth, bytes/s (H200)")

@@ -198,13 +198,27 @@ class ComputeConfig:
     """Tokens per chunk of the cross-entropy (bounds fp32 logits memory); 0 computes it in one piece."""
 
 
+# Names of the quantization schemes (fourfold.quant.schemes.PRESETS; tests/test_quant_qat.py keeps the two equal).
+QUANT_SCHEMES = tuple(
+    ["int8"] + [f"{kind}-g{g}{sym}" for g in (32, 64, 128, 256)
+                for kind, sym in (("int4", ""), ("int4", "-asym"), ("8da4w", ""))])
+QUANT_SCHEMES = QUANT_SCHEMES + tuple(f"{name}-fp32" for name in QUANT_SCHEMES)
+
+
 @dataclass
 class QuantConfig:
-    """The [quant] section: low-precision training schemes."""
+    """The [quant] section: low-precision training, one scheme at a time: float8 matmuls or quantization-aware training."""
 
     float8: bool = False
     """float8 matmuls for the transformer blocks' linear layers (torchao, dynamic tensorwise scaling); needs
     compute.precision bf16, tp 1 and, on GPUs, compute capability 8.9+ (Hopper, Ada). See fourfold/quant/float8.py."""
+    qat: Optional[str] = setting(None, choices=QUANT_SCHEMES)
+    """Quantization-aware training: fake-quantize the block linears with this scheme (int8, int4-g32..256[-asym],
+    8da4w-g32..256, each with -fp32 scales); none trains in full precision. See docs/quantization.md."""
+    embeddings: bool = False
+    """With quant.qat (and `fourfold quantize`), also quantize the token embedding table."""
+    output: bool = False
+    """With quant.qat (and `fourfold quantize`), also quantize the output head."""
 
 
 @dataclass
@@ -499,6 +513,9 @@ def validate(cfg: Config) -> None:
     if cfg.quant.float8 and c.precision != "bf16":
         raise ConfigError(f"quant.float8 runs the block matmuls in float8 around a bf16 model; it needs "
                           f"--compute.precision bf16 (got {c.precision}), or set --quant.float8 false.")
+    if cfg.quant.qat is not None and cfg.quant.float8:
+        raise ConfigError(f"quant.qat {cfg.quant.qat} and quant.float8 are two training schemes of [quant]; pick "
+                          "one: set --quant.float8 false or --quant.qat none.")
     rc = c.recompute
     if not (rc in ("none", "full", "selective") or (rc.startswith("every-") and rc[6:].isdigit() and int(rc[6:]) > 0)):
         raise ConfigError(f"compute.recompute '{rc}' is not one of none, full, selective, every-N (N >= 1); "

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fourfold.checkpoint.hf_import import import_hf, is_hf_dir, read_json
+from fourfold.checkpoint.hf_import import import_hf, is_hf_dir, own_tokenizer, read_json
 from fourfold.checkpoint.store import checkpoint_at, load_checkpoint, read_meta
 from fourfold.models.hf import config_from_hf
 from fourfold.config import Config, ModelConfig
@@ -76,12 +76,14 @@ def config_with_init_model(cfg: Config) -> Config:
 
 
 def init_tokenizer(path: str | Path) -> str | None:
-    """The tokenizer.json that comes with the weights at `path` (a Hugging Face or imported directory), if any."""
-    folder = Path(path) if is_hf_dir(path) else init_checkpoint(path)
-    for candidate in (folder / "tokenizer.json", folder.parent.parent / "tokenizer.json"):
-        if candidate.is_file():
-            return str(candidate)
-    return None
+    """The tokenizer the weights at `path` were trained with: a Hugging Face directory's tokenizer.json, or the
+    non-byte data.tokenizer in a checkpoint's saved config (its own copy when it carries one); else None."""
+    if is_hf_dir(path):
+        own = Path(path) / "tokenizer.json"
+        return str(own) if own.is_file() else None
+    found = init_checkpoint(path)
+    saved = (read_meta(found).get("config") or {}).get("data", {}).get("tokenizer", "byte")
+    return None if saved == "byte" else own_tokenizer(found, saved)
 
 
 def load_init_weights(path: str | Path, modules, run_dir: str | Path) -> dict:

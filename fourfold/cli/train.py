@@ -54,6 +54,10 @@ def _check_train_inputs(cfg, args, world: int, out: str) -> None:
     check_output_dir(out, "--out")
     check_output_dir(cfg.data.cache_dir, "--data.cache_dir")
     check_data_source(cfg)
+    if cfg.quant.qat is not None:   # groups must divide every quantized layer (and its tensor-parallel shard)
+        from fourfold.quant.qat import check_config_fits
+
+        check_config_fits(cfg.model, cfg.quant, cfg.parallel.tp)
 
 
 def main(argv: list[str], console: Console) -> int:

@@ -91,7 +91,10 @@ class BlockManager:
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self.chain_hash(parent, seq.tokens_between(i * bs, (i + 1) * bs))
+            tokens = seq.tokens_between(i * bs, (i + 1) * bs)
+            if -1 in tokens:  # the engine's placeholder for a token not read back yet: hash it next time
+                break
+            h = self.chain_hash(parent, tokens)
             block = seq.block_table[i]
             if h not in self.hash_to_block and block not in self.block_hash:
                 self.hash_to_block[h] = block

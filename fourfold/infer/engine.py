@@ -11,7 +11,10 @@ paged KV cache, the sampler picks a token for every sequence whose prompt is ful
 request's stop conditions are checked in this order: eos (unless ignore_eos) or a stop token id
 ('stop'), a stop string in the detokenized text ('stop', text cut before it), max_tokens ('length'),
 the context is full ('length': the next token would not fit max_model_len). Finished and aborted
-requests give their blocks back at once. The async API (fourfold.infer.async_engine) and the offline
+requests give their blocks back at once. With `overlap` (EngineConfig.overlap_steps, CUDA only) a step
+launches the model and the sampler, then builds the previous step's outputs while the GPU works: each
+`step()` returns the outputs of the step before it (the tokens are the same; stop conditions are checked
+before the next step is scheduled, so no sequence runs past its end). The async API (fourfold.infer.async_engine) and the offline
 `LLM` (fourfold.infer.llm) drive this class.
 """
 
@@ -38,12 +41,19 @@ from fourfold.infer.scheduler import Scheduler
 from fourfold.infer.sequence import Sequence
 
 
+PLACEHOLDER = -1
+"""The output token of a launched step until its sampled id is read back (fourfold.infer.block_manager
+does not hash a block that holds one)."""
+
+
 @dataclass
 class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     arrival_time: float
     last_token_time: float | None = None
+    pending_text: bool = False
+    """The last token's text is decoded when its output is built (no stop string needed it earlier)."""
 
 
 def pool_for(model: nn.Module, cfg: EngineConfig, device: torch.device, kv_heads: int, dtype: torch.dtype,
@@ -87,6 +97,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
         self.prompt_tokens = self.generation_tokens = 0
+        self.overlap = cfg.overlap_steps and runner.device.type == "cuda"
+        self.look_aheads = 0  # steps launched before the previous step's tokens were read
+        self._pending: tuple | None = None  # what _launch returned for a launched step not read yet
 
     @classmethod
     def from_model(cls, model: nn.Module, tokenizer, cfg: EngineConfig | None = None,
@@ -107,7 +120,7 @@ class LLMEngine:
         if pipeline_ranks is not None:
             runner = PipelineRunner(model, pool, device, pipeline_ranks)
         else:
-            runner = ModelRunner(model, pool, device)
+            runner = ModelRunner(model, pool, device, fuse=None if cfg.fused_decoder else False)
         if cfg.cuda_graphs:
             runner.capture_decode_graphs(cfg.max_num_seqs, max_len)
         return cls(runner, tokenizer, cfg, max_len, **kwargs)
@@ -131,47 +144,134 @@ class LLMEngine:
         if req is None:
             return
         self.scheduler.finish(req.seq, "abort")
+        while req.seq.output_ids and req.seq.output_ids[-1] == PLACEHOLDER:  # tokens of steps not read yet
+            req.seq.output_ids.pop()
         self._aborted.append(RequestOutput(request_id, [], req.detok.delta(finished=True), True, "abort",
                                            len(req.seq.prompt_ids), len(req.seq.output_ids),
                                            cached_prompt_tokens=req.seq.cached_prompt_tokens))
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._aborted)
+        return bool(self.requests) or bool(self._aborted) or self._pending is not None
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled model step; the outputs of every request that produced a token or finished."""
+        """Run one scheduled model step; the outputs of every request that produced a token or finished
+        (with `overlap`: those of the previous step, read back while this one runs)."""
         outputs, self._aborted = self._aborted, []
+        if not self.overlap:
+            launched = self._launch()
+            if launched is not None:
+                outputs += [self._output(*a) for a in self._read(launched)]
+            return outputs
+        previous, self._pending = self._pending, None
+        if previous is not None and self.cfg.look_ahead and self._can_look_ahead(previous):
+            self.look_aheads += 1
+            self._pending = self._launch(previous)  # the previous tokens go in on the device
+            applied = self._read(previous)
+        else:
+            applied = self._read(previous) if previous is not None else []
+            self._pending = self._launch()
+        return outputs + [self._output(*a) for a in applied]
+
+    def _launch(self, previous: tuple | None = None) -> tuple | None:
+        """Schedule a step, run the model and the sampler (asynchronously on CUDA); what `_read` needs.
+
+        Each sampling sequence gets a placeholder token that `_read` replaces; with `previous` (its tokens
+        not read yet) the placeholders of that step are filled on the device from its sampled ids.
+        """
         chunks = self.scheduler.schedule()
         if not chunks:
-            return outputs
-        logits = self.runner.forward(self.runner.prepare(chunks))
+            return None
+        st = self.runner.prepare(chunks)
+        if previous is not None:
+            self._fill_placeholders(st, chunks, previous)
+        logits = self.runner.forward(st)
         self.scheduler.after_step(chunks)
         sampling = [c.seq for c in chunks if c.samples]
         if not sampling:
-            return outputs
-        token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling],
-                                                  [s.output_ids for s in sampling])
-        now = time.monotonic()
-        for seq, token, lp in zip(sampling, token_ids.tolist(), logprobs):
-            outputs.append(self._advance(self.requests[seq.request_id], token, lp, now))
-        return outputs
+            return None
+        token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling], [s.output_ids for s in sampling])
+        reqs = [self.requests[s.request_id] for s in sampling]
+        slots = []
+        for seq in sampling:
+            seq.output_ids.append(PLACEHOLDER)
+            slots.append(len(seq.output_ids) - 1)
+        host, ready = token_ids, None
+        if token_ids.is_cuda:  # read back through pinned memory: a later step queued behind it need not finish
+            host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            host.copy_(token_ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return reqs, slots, token_ids, logprobs, host, ready
 
-    def _advance(self, req: _Request, token: int, lp, now: float) -> RequestOutput:
+    def _fill_placeholders(self, st, chunks, previous: tuple) -> None:
+        """Put `previous`'s sampled ids (still on the device) where this step's tokens hold its placeholders."""
+        reqs, slots, token_ids = previous[:3]
+        source = {id(req.seq): (i, len(req.seq.prompt_ids) + slot) for i, (req, slot) in enumerate(zip(reqs, slots))}
+        dst, src, offset = [], [], 0
+        for c in chunks:
+            a = c.seq.num_computed
+            i, position = source.get(id(c.seq), (None, -1))
+            if i is not None and a <= position < a + c.num_tokens:
+                dst.append(offset + position - a)
+                src.append(i)
+            offset += c.num_tokens
+        if dst:
+            index = self.runner.upload(dst + src, torch.long)  # pinned: a pageable copy would wait for the GPU
+            st.tokens.index_copy_(0, index[:len(dst)], token_ids.index_select(0, index[len(dst):]))
+
+    def _can_look_ahead(self, previous: tuple) -> bool:
+        """Whether the next step can be scheduled before `previous`'s tokens are read: nothing waits to be
+        admitted, no pending token ends its sequence by length, and no running sequence uses penalties."""
+        if self.scheduler.waiting or len(self.scheduler.running) > self.cfg.look_ahead_max_seqs:
+            return False
+        for req, slot in zip(previous[0], previous[1]):
+            seq, p = req.seq, req.seq.params
+            if slot + 1 >= p.max_tokens or len(seq.prompt_ids) + slot + 1 >= self.max_model_len:
+                return False
+        return not any(s.params.repetition_penalty != 1.0 or s.params.frequency_penalty != 0.0
+                       or s.params.presence_penalty != 0.0 for s in self.scheduler.running)
+
+    def _read(self, launched: tuple) -> list[tuple]:
+        """Wait for a launched step's tokens, put them in place of its placeholders and apply the stop
+        conditions; the `_output` arguments of each sequence still running."""
+        reqs, slots, _, logprobs, host, ready = launched
+        if ready is not None:
+            ready.synchronize()
+        tokens = host.tolist()
+        now = time.monotonic()
+        return [(req, token, lp, self._apply(req, token, slot), now)
+                for req, slot, token, lp in zip(reqs, slots, tokens, logprobs)
+                if not req.seq.is_finished]  # aborted meanwhile: its last output is already queued
+
+    def _apply(self, req: _Request, token: int, slot: int) -> str | None:
+        """Put `token` at output slot `slot` and finish the sequence when a stop condition holds; the reason."""
         seq, p = req.seq, req.seq.params
-        seq.output_ids.append(token)
+        seq.output_ids[slot] = token
         self.generation_tokens += 1
         reason = None
+        req.pending_text = False
         if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
-        elif req.detok.add(token):
+        elif p.stop and req.detok.add(token):  # stop strings are checked now, plain text later (_output)
             reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        else:
+            req.pending_text = not p.stop
+            if slot + 1 >= p.max_tokens or len(seq.prompt_ids) + slot + 1 >= self.max_model_len:
+                reason = "length"
         if reason is not None:
-            req.detok.flush()
+            del seq.output_ids[slot + 1:]  # a look-ahead step's placeholder
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
+        return reason
+
+    def _output(self, req: _Request, token: int, lp, reason: str | None, now: float) -> RequestOutput:
+        """The RequestOutput of a token `_apply` took (its text decoded here when no stop string needed it)."""
+        seq = req.seq
+        if req.pending_text:
+            req.detok.add(token)
+        if reason is not None:
+            req.detok.flush()
         out = RequestOutput(seq.request_id, [token], req.detok.delta(finished=reason is not None),
                             reason is not None, reason, len(seq.prompt_ids), len(seq.output_ids),
                             [lp] if lp is not None else [], seq.cached_prompt_tokens)

@@ -38,3 +38,11 @@ class EngineConfig:
     scheduling, whole prompts in steps of their own (the classic baseline)."""
     cuda_graphs: bool = setting(True)
     """On CUDA (with Triton): replay decode steps from CUDA graphs captured at padded batch sizes."""
+    fused_decoder: bool = setting(True)
+    """On CUDA (with Triton): run whole models with fused q|k|v and gate|up weights and fused elementwise kernels."""
+    overlap_steps: bool = setting(True)
+    """On CUDA: build a step's outputs while the next step runs on the GPU (outputs come one step later)."""
+    look_ahead: bool = setting(True)
+    """With overlap_steps: launch the next decode step before the previous step's tokens are read back."""
+    look_ahead_max_seqs: int = setting(128, ge=0)
+    """Look ahead only while at most this many sequences run (on one H200 it lost at 256: docs/benchmarks.md)."""

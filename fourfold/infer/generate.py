@@ -15,6 +15,7 @@ from fourfold.infer.kv_cache import KVCache
 from fourfold.infer.loading import find_checkpoint
 from fourfold.infer.sampling import sample_next
 from fourfold.models.llama import Llama
+from fourfold.quant.qat import apply_checkpoint_quant
 from fourfold.tokenizer import load_tokenizer
 
 
@@ -40,7 +41,7 @@ def load_for_inference(path: str | Path, device: torch.device) -> tuple[Llama, C
         raise CheckpointError(f"{ckpt / 'meta.json'} is missing or invalid ({e}).") from None
     # The parallel layout of training does not apply to generation in one process.
     cfg = build_config({k: v for k, v in saved.items() if k != "parallel"})
-    model = Llama(cfg.model)
+    model = apply_checkpoint_quant(Llama(cfg.model), meta)   # packed low-bit or fake-quant layers, if any
     load_checkpoint(ckpt, model, None)
     return model.to(device).eval(), cfg
 

@@ -32,6 +32,7 @@ from fourfold.infer.cpu_linear import pack_cpu_linears
 from fourfold.models.llama import Llama
 from fourfold.parallel.pipeline.split import split_pipeline, stage_layers
 from fourfold.parallel.tensor import apply_tensor_parallel
+from fourfold.quant.qat import apply_checkpoint_quant
 from fourfold.tokenizer import load_tokenizer
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -130,6 +131,11 @@ def load_model(path: str | Path, device: torch.device, dtype: str | torch.dtype 
     cfg = build_config({k: v for k, v in saved.items() if k != "parallel"})
     with torch.device("meta"):
         model = Llama(cfg.model)
+    meta = {} if hf else read_meta(ckpt)
+    if meta.get("quant") and (tp_mesh is not None or pp is not None):
+        raise ConfigError(f"{ckpt} holds a low-bit converted model; tensor- and pipeline-parallel inference "
+                          "run float checkpoints only: serve it with one process (--tp 1).")
+    apply_checkpoint_quant(model, meta)  # converted: empty packed modules the load fills; QAT: fake-quant layers
     layers = range(cfg.model.n_layers)
     if pp is not None:
         model = split_pipeline(model, pp[0], pp[1])[0]

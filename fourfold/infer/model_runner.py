@@ -7,7 +7,10 @@ The model runs once per step on all scheduled tokens flattened into one row, tok
 positions (1, T) (varlen: no padding between sequences), with `logits_for` picking the last token of
 each sequence that samples. `decode_forward(st)` is the pure tensor function of a step (no host
 work, no syncs on the GPU kernel path): the CUDA-graph wrapper (fourfold.infer.cuda_graphs) captures
-it over static StepTensors padded to a fixed batch size.
+it over static StepTensors padded to a fixed batch size. With `fuse=True` (on CUDA by default) a whole
+fourfold Llama runs through fourfold.infer.fused_decoder (fused q|k|v and gate|up weights, fused
+elementwise kernels); tensor-parallel and pipeline models keep the model's own forward. On CUDA the
+step's index tensors go up in two non-blocking copies from pinned host buffers.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from torch import nn
 
 from fourfold.infer import attention_gpu
 from fourfold.infer.cuda_graphs import DecodeGraphs
+from fourfold.infer.fused_decoder import FusedDecoder
 from fourfold.infer.kv_pool import KVPool
-from fourfold.infer.paged_attention import PagedStep
+from fourfold.infer.paged_attention import CpuAttentionPlan, PagedStep
 from fourfold.infer.scheduler import ScheduledChunk
 from fourfold.infer.step_tensors import StepTensors
+
+UPLOAD_RING = 8
+"""Pinned host buffers per dtype that step uploads rotate through."""
 
 
 def full_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -33,9 +40,14 @@ def full_logits(logits: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Runs `model` (fourfold Llama, any tensor-parallel layout) over a KVPool, one engine step at a time."""
 
-    def __init__(self, model: nn.Module, pool: KVPool, device: torch.device):
+    def __init__(self, model: nn.Module, pool: KVPool, device: torch.device, fuse: bool | None = None):
         self.model, self.pool, self.device = model, pool, device
         self.graphs: DecodeGraphs | None = None
+        if fuse is None:
+            fuse = device.type == "cuda" and attention_gpu.available()
+        self.fused = FusedDecoder.from_model(model) if fuse else None
+        self._pinned: dict[torch.dtype, list] = {}  # per dtype a ring of (pinned buffer, event after its copy)
+        self._upload_turn: dict[torch.dtype, int] = {}
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """On CUDA with the Triton kernel: capture decode steps of up to `max_batch` sequences (padded sizes)."""
@@ -65,17 +77,63 @@ class ModelRunner:
             starts.append(starts[-1] + c.num_tokens)
             if c.samples:
                 sample_at.append(starts[-1] - 1)
-        tables = torch.tensor(tables, dtype=torch.int32)
-        st = StepTensors(torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                         torch.tensor(slots, dtype=torch.long), tables,
-                         torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
-                         torch.tensor(sample_at, dtype=torch.long))
-        return st.to(self.device) if self.device.type != "cpu" else st
+        if self.device.type == "cpu":
+            return StepTensors(torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                               torch.tensor(slots, dtype=torch.long), torch.tensor(tables, dtype=torch.int32),
+                               torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                               torch.tensor(sample_at, dtype=torch.long))
+        t, s, r = len(tokens), len(lens), len(sample_at)
+        wide = self.upload(tokens + positions + slots + sample_at, torch.long)
+        narrow = self.upload([b for row in tables for b in row] + lens + starts, torch.int32)
+        return StepTensors(wide[:t], wide[t:2 * t], wide[2 * t:3 * t], narrow[:s * max_blocks].view(s, max_blocks),
+                           narrow[s * max_blocks:s * max_blocks + s], narrow[s * max_blocks + s:], wide[3 * t:3 * t + r])
+
+    def upload(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """`values` on the device; on CUDA through pinned host buffers and one non-blocking copy.
+
+        A copy waits in the stream behind the step before it, so each dtype has a ring of buffers and a
+        buffer is refilled only once its copy has run (several uploads later: no wait in practice).
+        """
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        ring = self._pinned.setdefault(dtype, [])
+        turn = self._upload_turn.get(dtype, 0)
+        self._upload_turn[dtype] = (turn + 1) % UPLOAD_RING
+        if len(ring) <= turn or ring[turn][0].numel() < host.numel():
+            buf = torch.empty(max(4096, 2 * host.numel()), dtype=dtype, pin_memory=True)
+            ring[turn:turn + 1] = [(buf, None)]
+        buf, done = ring[turn]
+        if done is not None:
+            done.synchronize()
+        buf[:host.numel()].copy_(host)
+        out = buf[:host.numel()].to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        ring[turn] = (buf, event)
+        return out
 
     def decode_forward(self, st: StepTensors) -> torch.Tensor:
         """Logits (len(st.logits_for), vocab) of one step, model dtype; a pure function of the tensors."""
+        if self.fused is not None:
+            return self.fused(st, self.pool, self._attend_fn(st))
         step = PagedStep(self.pool, st)
         return full_logits(self.model(st.tokens[None], st.positions[None], cache=step, logits_for=st.logits_for))
+
+    def _attend_fn(self, st: StepTensors):
+        """attend(layer, q, k_cache, v_cache) for the fused decoder: the Triton kernel on CUDA, else the CPU plan."""
+        if st.tokens.is_cuda and attention_gpu.available():
+            def attend(layer_idx, q, k_cache, v_cache):
+                return attention_gpu.paged_attention(q, k_cache, v_cache, st.block_tables, st.seq_lens,
+                                                     st.query_start, q.shape[-1] ** -0.5)
+            return attend
+        plan = CpuAttentionPlan(st, self.pool.block_size)
+
+        def attend_cpu(layer_idx, q, k_cache, v_cache):
+            d = q.shape[-1]
+            return plan.attend(q, k_cache.view(-1, k_cache.shape[2], d), v_cache.view(-1, v_cache.shape[2], d),
+                               d ** -0.5)
+        return attend_cpu
 
     @torch.inference_mode()
     def forward(self, st: StepTensors) -> torch.Tensor:

@@ -28,7 +28,7 @@ class PipelineRunner(ModelRunner):
     """A ModelRunner for one pipeline stage; `forward` returns the whole model's logits on every rank."""
 
     def __init__(self, chunk: nn.Module, pool: KVPool, device: torch.device, stage_ranks: list[int]):
-        super().__init__(chunk, pool, device)
+        super().__init__(chunk, pool, device, fuse=False)
         self.stage_ranks = stage_ranks
         self.stage = stage_ranks.index(dist.get_rank())
         self.last = len(stage_ranks) - 1

@@ -1,10 +1,17 @@
-"""Apply a layout to a model: tensor/sequence parallel, context parallel, float8, recomputation, compile, data parallel.
+"""Apply a layout to a model: fake quant (QAT), tensor/sequence parallel, context parallel, float8, recomputation, compile, data parallel.
 
-    model = apply_model_transforms(model, mesh, cfg.parallel, cfg.compute, cfg.quant, device)  # steps 1-5
+    model = apply_model_transforms(model, mesh, cfg.parallel, cfg.compute, cfg.quant, device)  # steps 0-5
     model = dp.wrap(model)                                                                   # step 6
 
-The order matters, and is the one torchtitan uses:
-1. Tensor (and sequence) parallel first: it replaces weights with DTensors sharded on the tp mesh;
+The order matters, and is the one torchtitan uses (plus step 0):
+0. Quantization-aware training (quant.qat) swaps the linears for fake-quant ones first. The swap keeps
+   module paths and parameters, so the TP plan (by path) applies to the fake-quant linears exactly as to
+   plain ones and registers its input/output hooks on them; swapped after TP, the new modules would lack
+   those hooks. Under TP each weight shard is fake-quantized locally (no communication), which equals one
+   process only when no group straddles a shard boundary: prepare_qat checks that against the tp size.
+   Recomputation and compile then see the fake-quant ops, and FSDP shards the (unchanged) parameters
+   and hands them back whole to each forward.
+1. Tensor (and sequence) parallel before the others: it replaces weights with DTensors sharded on the tp mesh;
    everything after sees the sharded weights.
 2. Context parallel swaps the attention core; it must precede recomputation so the ring attention is
    inside the recomputed region like the core it replaces.
@@ -17,7 +24,7 @@ The order matters, and is the one torchtitan uses:
 6. Data parallel last: FSDP's fully_shard shards whatever parameters the earlier steps left (DTensors
    on the tp mesh included), and its hooks go around the compiled blocks.
 
-Steps 1-5 and FSDP's step 6 work on a model on the meta device (shapes, no storage);
+Steps 0-5 and FSDP's step 6 work on a model on the meta device (shapes, no storage);
 `fourfold.parallel.build` materialises only this rank's shards after them, and before step 6 for DDP and
 ZeRO-1, which need real tensors (`DataParallel.wraps_meta_models`).
 """
@@ -31,6 +38,7 @@ from fourfold.mesh import ParallelMesh
 from fourfold.parallel.context import apply_context_parallel
 from fourfold.parallel.tensor import apply_tensor_parallel
 from fourfold.quant.float8 import apply_float8
+from fourfold.quant.qat import prepare_qat
 from fourfold.recompute import apply_recompute
 
 
@@ -42,10 +50,12 @@ def compile_blocks(model: nn.Module) -> None:
 
 def apply_model_transforms(model: nn.Module, mesh: ParallelMesh, parallel: ParallelConfig, compute: ComputeConfig,
                            quant: QuantConfig, device) -> nn.Module:
-    """Steps 1-5 of the module docstring on `model` (one pipeline chunk or the whole model), in place.
+    """Steps 0-5 of the module docstring on `model` (one pipeline chunk or the whole model), in place.
 
     `device` is where the model will run (float8 checks its GPU); the model itself may still be on meta.
     """
+    if quant.qat is not None:
+        prepare_qat(model, quant.qat, embeddings=quant.embeddings, output=quant.output, tp=mesh.size("tp"))
     if mesh.size("tp") > 1:
         apply_tensor_parallel(model, mesh.get("tp"), parallel.sequence_parallel)
     if mesh.size("cp") > 1:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fourfold.quant.schemes import QuantScheme, check_group_divides
 
@@ -107,6 +108,22 @@ def fake_quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return out.reshape(n, k)
 
 
+def fake_quantize_weight_sharded(w: torch.Tensor, scheme: QuantScheme, name: str = "linear") -> torch.Tensor:
+    """fake_quantize_weight of a plain weight, or of each tensor-parallel shard of a DTensor weight, in place.
+
+    Groups run along in_features (dim 1), so a shard's group-wise scales equal the unsharded weight's as
+    long as no group straddles a shard boundary: true for column-parallel (Shard(0)) and for the vocab-split
+    embedding; a row-parallel shard (Shard(1)) must hold whole groups, else ConfigError. The quantization
+    runs on the local shard (no communication) and the result is rewrapped with the same placements.
+    """
+    if not isinstance(w, DTensor):
+        return fake_quantize_weight(w, scheme)
+    local = w.to_local()
+    check_group_divides(scheme, f"{name} (its tensor-parallel shard)", local.shape[1])
+    out = fake_quantize_weight(local, scheme)
+    return DTensor.from_local(out, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
+
+
 def activation_qparams(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (last dim) asymmetric int8 (scales float32, zero points as float32 ints), shaped [..., 1]."""
     xf = x.detach().float()
@@ -129,7 +146,7 @@ class FakeQuantLinear(nn.Linear):
                  device=None, dtype=None, name: str = "linear") -> None:
         check_group_divides(scheme, name, in_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.scheme = scheme
+        self.scheme, self.layer_name = scheme, name
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: QuantScheme, name: str = "linear") -> "FakeQuantLinear":
@@ -142,7 +159,7 @@ class FakeQuantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.activation != "none":
             x = fake_quantize_activation(x)
-        return F.linear(x, fake_quantize_weight(self.weight, self.scheme), self.bias)
+        return F.linear(x, fake_quantize_weight_sharded(self.weight, self.scheme, self.layer_name), self.bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", scheme={self.scheme.name}"

@@ -14,9 +14,10 @@ computed during QAT, up to the kernels' float rounding. Layouts (checked on torc
   computes x @ ((u - 8) * scale + zero).T with a *float* zero. Our (q - z) * s = (u - 8) * s + (-z * s),
   so zero = -z * s. x and scales_and_zeros must share a dtype (bf16, fp16 or fp32); N must be a multiple
   of 16 and G one of 32/64/128/256.
-- CUDA kernel: `_convert_weight_to_int4pack(uint8 [N, K/2] as stored above, inner_k_tiles)` then
-  `_weight_int4pack_mm(x bf16, packed, G, scales_and_zeros bf16)`, same formula. Written from torch's
-  and torchao's documented layout, NOT tested here (no GPU on the test machine).
+- CUDA kernel: `_convert_weight_to_int4pack(uint8 [N, K/2] as stored above, inner_k_tiles 8/4/2)` then
+  `_weight_int4pack_mm(x bf16, packed, G, scales_and_zeros bf16)`, same formula (sm80+). The nibble
+  order (element 2j high) is the one torchao 0.18 feeds this op on CUDA (tile-packed int4 tensors;
+  only its XPU path swaps them). Not run by the CPU tests: bench/int4_cuda_check.py checks it on a GPU.
 - int8: `_weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])` = x @ (w * scales).T, scales in
   x's dtype, CPU and CUDA; hence int8 schemes are symmetric.
 
@@ -56,13 +57,19 @@ def scales_and_zeros(scales: torch.Tensor, zero_points: torch.Tensor, dtype: tor
     return torch.stack([s, -zero_points.float() * s], dim=-1).transpose(0, 1).contiguous().to(dtype)
 
 
+def cuda_inner_k_tiles(in_features: int) -> int:
+    """The CUDA tile-packing parameter: the largest of 8, 4, 2 with in_features a multiple of 16 * it (8 is fastest)."""
+    return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
+
+
 def int4_kernel_weight(weight_int4: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The stored nibbles converted to the tiled layout the int4 mm kernel of `device` takes."""
     if device.type == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(weight_int4).to(torch.int32),
                                                                  INNER_K_TILES)
-    if device.type == "cuda":   # untested here: no GPU where the tests run
-        return torch.ops.aten._convert_weight_to_int4pack(weight_int4.to(device), INNER_K_TILES)
+    if device.type == "cuda":   # untested here: no GPU where the tests run; bench/int4_cuda_check.py checks it
+        return torch.ops.aten._convert_weight_to_int4pack(weight_int4.to(device).contiguous(),
+                                                          cuda_inner_k_tiles(weight_int4.shape[1] * 2))
     raise ConfigError(f"int4 weights run on CPU or CUDA, not {device.type}.")
 
 
@@ -111,13 +118,16 @@ class Int4WeightLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.activation != "none":
             x = fake_quantize_activation(x)
+        out_dtype = x.dtype
+        if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)    # the CUDA kernel takes bf16 activations and scales only
         packed, sz = self._kernel_args(x)
         x2 = x.reshape(-1, self.in_features).contiguous()
         if x.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.scheme.group_size, sz)
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2, packed, self.scheme.group_size, sz)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(out_dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,143 @@
+"""Fused elementwise kernels of the inference decoder: add+RMSNorm, rotary+KV-cache write, SiLU*mul.
+
+    normed, resid = add_rms_norm(x, resid, weight, eps)      # resid = x + resid; normed = norm(resid)
+    q = rotary_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, hq, hkv)
+    act = silu_mul(gate_up)                                   # silu(gate) * up, gate_up = [gate | up]
+
+Each op is one Triton kernel on CUDA (when Triton imported) and the same arithmetic in plain PyTorch
+elsewhere. Both round where the training model's eager ops round (fourfold.models.llama: the residual
+add and the rotary products in the activation dtype, the norm in float32), so greedy tokens match the
+eager model up to reduction order. qkv is (T, (hq + 2 * hkv) * d): the fused q|k|v projection of
+fourfold.infer.fused_decoder; the rotated keys and the values go straight to the pool's slots and only
+the rotated queries come back, (T, hq, d).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fourfold.infer.attention_gpu import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, dim, eps,
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < dim
+        x = tl.load(x_ptr + row * dim + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * dim + cols, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * dim + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * dim + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_ptr, v_ptr,
+                          stride_qkv, stride_cos, stride_kslot, stride_vslot,
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+        token, head = tl.program_id(0), tl.program_id(1)  # heads 0..HQ-1 queries, HQ..HQ+HKV-1 keys (+ values)
+        half = tl.arange(0, D // 2)
+        pos = tl.load(pos_ptr + token)
+        base = qkv_ptr + token * stride_qkv + head * D
+        x1 = tl.load(base + half)
+        x2 = tl.load(base + D // 2 + half)
+        dt = x1.dtype
+        c1 = tl.load(cos_ptr + pos * stride_cos + half).to(dt).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * stride_cos + D // 2 + half).to(dt).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * stride_cos + half).to(dt).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * stride_cos + D // 2 + half).to(dt).to(tl.float32)
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        # x * cos + rotate_half(x) * sin, each product and the sum rounded to the activation dtype
+        o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
+        if head < HQ:
+            out = q_out_ptr + (token * HQ + head) * D
+            tl.store(out + half, o1)
+            tl.store(out + D // 2 + half, o2)
+        else:
+            slot = tl.load(slot_ptr + token)
+            kv_head = head - HQ
+            k_out = k_ptr + slot * stride_kslot + kv_head * D
+            tl.store(k_out + half, o1.to(k_ptr.dtype.element_ty))
+            tl.store(k_out + D // 2 + half, o2.to(k_ptr.dtype.element_ty))
+            full = tl.arange(0, D)
+            v = tl.load(base + HKV * D + full)
+            tl.store(v_ptr + slot * stride_vslot + kv_head * D + full, v.to(v_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, ffn, BLOCK: tl.constexpr):
+        row, part = tl.program_id(0), tl.program_id(1)
+        cols = part * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < ffn
+        g = tl.load(gu_ptr + row * 2 * ffn + cols, mask=mask, other=0.0)
+        u = tl.load(gu_ptr + row * 2 * ffn + ffn + cols, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        tl.store(out_ptr + row * ffn + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual) for x (T, dim); residual None normalises x alone."""
+    if not _use_triton(x):
+        summed = x if residual is None else x + residual
+        wide = summed.float() if summed.dtype != torch.float64 else summed
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * weight.to(wide.dtype)).to(x.dtype), summed
+    x = x.contiguous()
+    rows, dim = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    _add_rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, res_out, dim, eps,
+                                  HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(dim), num_warps=8)
+    return out, res_out
+
+
+def rotary_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """Rotate q and k of qkv (T, (hq + 2 hkv) d), write k and v at the slots of the (blocks, bs, hkv, d) pool; q (T, hq, d)."""
+    tokens = qkv.shape[0]
+    d = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    flat_k, flat_v = k_cache.view(-1, n_kv_heads, d), v_cache.view(-1, n_kv_heads, d)
+    if not _use_triton(qkv):
+        q, k, v = qkv.view(tokens, -1, d).split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+        c, s = cos[positions].unsqueeze(1).to(qkv.dtype), sin[positions].unsqueeze(1).to(qkv.dtype)
+        half = d // 2
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+
+        flat_k.index_copy_(0, slot_mapping, rotate(k).to(flat_k.dtype))
+        flat_v.index_copy_(0, slot_mapping, v.to(flat_v.dtype))
+        return rotate(q)
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and flat_k.stride(0) == n_kv_heads * d
+    q_out = torch.empty(tokens, n_heads, d, device=qkv.device, dtype=qkv.dtype)
+    _rotary_kv_kernel[(tokens, n_heads + n_kv_heads)](
+        qkv, positions, cos, sin, slot_mapping, q_out, flat_k, flat_v, qkv.stride(0), cos.stride(0),
+        flat_k.stride(0), flat_v.stride(0), HQ=n_heads, HKV=n_kv_heads, D=d, num_warps=1)
+    return q_out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up (T, 2 * ffn) = [gate | up], rounded like the eager SwiGLU; (T, ffn)."""
+    ffn = gate_up.shape[1] // 2
+    if not _use_triton(gate_up):
+        gate, up = gate_up[:, :ffn], gate_up[:, ffn:]
+        return F.silu(gate) * up
+    gate_up = gate_up.contiguous()
+    out = torch.empty(gate_up.shape[0], ffn, device=gate_up.device, dtype=gate_up.dtype)
+    block = 1024
+    _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(ffn, block))](gate_up, out, ffn, BLOCK=block, num_warps=4)
+    return out
