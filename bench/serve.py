@@ -2,6 +2,8 @@
 under Poisson arrivals at several rates, with one client and one workload for all.
 
     python bench/serve.py --out bench/results/serve [--preset llama-1b] [--rates 2,4,8,16] [--requests 40]
+    python bench/serve.py --preset llama3-8b --no-peer --fourfold-args "--tp 2" --model-root /tmp/serve-8b \
+        --out bench/results/serve-8b-tp2 --rates 2,6 --requests 24          # 2 GPUs, tensor-parallel server
 
 It builds one random-weight Llama (the preset's shape, bf16) as a Hugging Face directory with a BPE
 tokenizer trained here on the Python standard library and a ChatML chat template, imports it with
@@ -9,7 +11,8 @@ tokenizer trained here on the Python standard library and a ChatML chat template
 The long-prompt mix puts `--long-fraction` of prompts at `--long-tokens` tokens. Writes results.json,
 results.md (vLLM's metric names: TTFT, TPOT, ITL, E2EL mean/median/P99, throughputs, goodput) and
 latency_vs_load.png; capacity is the highest rate whose P99 ITL stays under each target (Sarathi-Serve's
-definition with time-between-tokens).
+definition with time-between-tokens). The model directories (under --model-root, default --out) are
+reused by later runs with the same --preset and --max-len; --servers picks the fourfold servers to run.
 """
 
 from __future__ import annotations
@@ -74,10 +77,30 @@ def build_hf_model(out: Path, preset: str, max_len: int) -> list[str]:
                       eos_token_id=tok.token_to_id("<|im_end|>"), bos_token_id=tok.token_to_id("<|endoftext|>"),
                       tie_word_embeddings=False, torch_dtype="bfloat16")
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 8B: drawn on the GPU, built in bf16
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out)
-    words = sorted({w for w in text.split() if w.isidentifier() and len(w) < 12})[:20000]
+    return prompt_words(text)
+
+
+def prompt_words(text: str) -> list[str]:
+    """The identifiers prompts are made of."""
+    return sorted({w for w in text.split() if w.isidentifier() and len(w) < 12})[:20000]
+
+
+def prepare_models(args, hf_dir: Path, ff_dir: Path) -> list[str]:
+    """Build and convert the model, or reuse the pair an earlier run with the same preset and length left in --out."""
+    stamp, want = ff_dir.parent / "model-build.json", {"preset": args.preset, "max_len": args.max_len}
+    if args.reuse_model and stamp.is_file() and json.loads(stamp.read_text()) == want:
+        print(f"== reusing {hf_dir} and {ff_dir} (built for {want})", flush=True)
+        return prompt_words(stdlib_text())
+    stamp.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    words = build_hf_model(hf_dir, args.preset, args.max_len)
+    print(f"== built {hf_dir} in {time.perf_counter() - t0:.0f}s", flush=True)
+    subprocess.run([sys.executable, "-m", "fourfold", "convert", str(hf_dir), str(ff_dir), "--force"], check=True)
+    print(f"== converted to {ff_dir}; {time.perf_counter() - t0:.0f}s in all", flush=True)
+    stamp.write_text(json.dumps(want))
     return words
 
 
@@ -87,7 +110,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:  # both servers answer it
                 return
         except httpx.HTTPError:
             pass
@@ -107,8 +130,12 @@ def servers(args, hf_dir: Path, ff_dir: Path) -> list[tuple[str, list[str], str]
     """(name, command, model id clients send) of every server to measure."""
     ff = [sys.executable, "-m", "fourfold", "serve", "--model", str(ff_dir), "--port", str(args.port),
           "--served-model-name", "bench", "--max-requests", "4096", *args.fourfold_args.split()]
-    out = [("fourfold chunked prefill", [*ff, "--max-num-batched-tokens", str(args.chunk)], "bench"),
-           ("fourfold no chunking", [*ff, "--no-chunked-prefill"], "bench")]
+    wanted = args.servers.split(",")
+    out = []
+    if "chunked" in wanted:
+        out.append(("fourfold chunked prefill", [*ff, "--max-num-batched-tokens", str(args.chunk)], "bench"))
+    if "no-chunking" in wanted:
+        out.append(("fourfold no chunking", [*ff, "--no-chunked-prefill"], "bench"))
     if args.peer:
         out.append(("transformers serve (continuous batching)",
                     [str(Path(sys.executable).with_name("transformers")), "serve", str(hf_dir),
@@ -156,12 +183,19 @@ def main() -> int:
     ap.add_argument("--fourfold-args", default="", help="extra flags for fourfold serve")
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--request-timeout", type=float, default=120, help="client timeout per request (s)")
+    ap.add_argument("--reuse-model", action=argparse.BooleanOptionalAction, default=True,
+                    help="reuse the model directories an earlier run with the same --preset/--max-len left in --out")
+    ap.add_argument("--model-root", default=None,
+                    help="where model-hf/ and model-fourfold/ are built or reused (default: --out)")
+    ap.add_argument("--servers", default="chunked,no-chunking",
+                    help="which fourfold servers to measure: chunked, no-chunking (the peer follows --peer)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir, ff_dir = out / "model-hf", out / "model-fourfold"
-    words = build_hf_model(hf_dir, args.preset, args.max_len)
-    subprocess.run([sys.executable, "-m", "fourfold", "convert", str(hf_dir), str(ff_dir), "--force"], check=True)
+    models = Path(args.model_root) if args.model_root else out
+    models.mkdir(parents=True, exist_ok=True)
+    hf_dir, ff_dir = models / "model-hf", models / "model-fourfold"
+    words = prepare_models(args, hf_dir, ff_dir)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
@@ -172,7 +206,8 @@ def main() -> int:
     results: dict[str, list[dict]] = {}
     for name, command, model_id in servers(args, hf_dir, ff_dir):
         print(f"== {name}: {' '.join(command)}", flush=True)
-        proc = subprocess.Popen(command, stdout=sys.stdout, stderr=sys.stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off
+        proc = subprocess.Popen(command, stdout=sys.stdout, stderr=sys.stderr, env=env)
         runs = results.setdefault(name, [])
         try:
             wait_ready(url, proc, args.startup_timeout)
