@@ -58,9 +58,9 @@ def make_workload(n: int, words: list[str], seed: int, long_fraction: float, lon
     return out
 
 
-async def _one(client: httpx.AsyncClient, model: str, req: Request) -> Result:
+async def _one(client: httpx.AsyncClient, model: str, req: Request, extra: dict) -> Result:
     body = {"model": model, "messages": [{"role": "user", "content": req.text}], "max_tokens": req.output_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
     start = time.perf_counter()
     stamps, usage = [], None
     try:
@@ -87,15 +87,16 @@ async def _one(client: httpx.AsyncClient, model: str, req: Request) -> Result:
 
 
 async def run_load(url: str, model: str, workload: list[Request], rate: float, seed: int,
-                   timeout_s: float = 600) -> tuple[list[Result], float]:
-    """Send the workload with exponential gaps at `rate` requests/s; (results, wall seconds)."""
+                   timeout_s: float = 600, extra: dict | None = None) -> tuple[list[Result], float]:
+    """Send the workload with exponential gaps at `rate` requests/s; (results, wall seconds). `extra`: more
+    body fields for servers that take them (fourfold's ignore_eos keeps output lengths as drawn)."""
     rng = random.Random(seed + 1)
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
         tasks = []
         for req in workload:
-            tasks.append(asyncio.create_task(_one(client, model, req)))
+            tasks.append(asyncio.create_task(_one(client, model, req, extra or {})))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
