@@ -96,10 +96,13 @@ def test_converted_checkpoint_round_trips_through_quantized_skeleton(tmp_path):
     meta = {"quant": quant_meta(model)}
     path = save_checkpoint(tmp_path, 3, model, None, meta, keep=1, writer=True)
     assert read_meta(path)["quant"]["scheme"] == "int4-g32"
-    with safe_open(str(path / "model-model.safetensors"), "pt") as f:
-        assert f.get_tensor("layers.0.attention.wq.weight_int4").dtype == torch.uint8
-        assert f.get_tensor("layers.0.attention.wq.scales").dtype == torch.bfloat16
-        assert "layers.0.attention.wq.weight" not in f.keys()
+    stored = {}  # tensor name -> dtype, over every shard file (keys are name@offsets)
+    for shard in path.glob("model-*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            stored.update({k.split("@")[0]: f.get_tensor(k).dtype for k in f.keys()})
+    assert stored["layers.0.attention.wq.weight_int4"] == torch.uint8
+    assert stored["layers.0.attention.wq.scales"] == torch.bfloat16
+    assert "layers.0.attention.wq.weight" not in stored
     fresh = apply_checkpoint_quant(_model(seed=5), read_meta(path))
     load_checkpoint(path, fresh, None)
     with torch.no_grad():
