@@ -126,3 +126,49 @@ def save(path: str, args, rows: list[dict]) -> None:
     """Write the run's arguments and result rows to `path` as JSON."""
     with open(path, "w") as f:
         json.dump({"args": vars(args), "results": rows}, f, indent=2)
+
+
+def read_child(proc, name: str, timeout: float, kill, on_row, say=print) -> tuple[list[dict], list[str]]:
+    """Read a variant's child process line by line until it exits or `timeout` seconds pass (then `kill()` it).
+
+    `RESULT {json}` lines become rows (each passed to `on_row`, which may annotate it and print a line),
+    `PROGRESS text` lines are echoed through `say`; returns (rows, the last 40 lines) once the child exited.
+    """
+    import selectors
+
+    rows, tail, start = [], [], time.perf_counter()
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        while True:
+            if time.perf_counter() - start > timeout:
+                kill()
+                rows.append({"variant": name, "error": f"timed out after {timeout:.0f}s"})
+                break
+            if not sel.select(timeout=1.0):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                break
+            line = line.rstrip()
+            tail = (tail + [line])[-40:]
+            if line.startswith("RESULT "):
+                row = json.loads(line[7:])
+                on_row(row)
+                rows.append(row)
+            elif line.startswith("PROGRESS "):
+                say("   " + line[9:])
+    finally:
+        proc.wait()
+    return rows, tail
+
+
+def write_doc_block(doc_path: str, begin: str, end: str, text: str) -> None:
+    """Replace what stands between the markers `begin` and `end` in `doc_path` with `text` (a missing file or
+    marker leaves the file alone)."""
+    if not os.path.exists(doc_path):
+        return
+    doc = open(doc_path).read()
+    if begin in doc and end in doc:
+        doc = doc[:doc.index(begin) + len(begin)] + "\n" + text + "\n" + doc[doc.index(end):]
+        open(doc_path, "w").write(doc)

@@ -30,7 +30,9 @@ import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
-sys.path[:0] = [ROOT]
+sys.path[:0] = [ROOT, BENCH]
+
+from common import read_child  # noqa: E402
 
 ORDER = ["fourfold", "hf-compile", "hf-cb", "hf-eager", "fourfold-prefix"]
 TIMEOUTS = {"fourfold": 300, "hf-compile": 330, "hf-cb": 200, "hf-eager": 150, "fourfold-prefix": 200}
@@ -286,35 +288,13 @@ def run_variant(name: str, args, budget_left: float) -> list[dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name, *args.child_argv]
     timeout = max(30.0, min(TIMEOUTS[name], budget_left))
     say(f"== {name} (timeout {timeout:.0f}s)")
-    rows, tail = [], []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    start = time.perf_counter()
-    try:
-        import selectors
 
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while True:
-            if time.perf_counter() - start > timeout:
-                proc.kill()
-                rows.append({"variant": name, "error": f"timed out after {timeout:.0f}s"})
-                break
-            if not sel.select(timeout=1.0):
-                continue
-            line = proc.stdout.readline()
-            if not line:
-                break
-            line = line.rstrip()
-            tail = (tail + [line])[-40:]
-            if line.startswith("RESULT "):
-                row = json.loads(line[7:])
-                rows.append(row)
-                say(f"   {row['variant']:22s} c={row['concurrency']:<4d} {row['tokens_per_s']:10,.0f} tok/s"
-                    + (f"  {row['ms_per_step']:.3f} ms/step" if "ms_per_step" in row else ""))
-            elif line.startswith("PROGRESS "):
-                say("   " + line[9:])
-    finally:
-        proc.wait()
+    def show(row: dict) -> None:
+        say(f"   {row['variant']:22s} c={row['concurrency']:<4d} {row['tokens_per_s']:10,.0f} tok/s"
+            + (f"  {row['ms_per_step']:.3f} ms/step" if "ms_per_step" in row else ""))
+
+    rows, tail = read_child(proc, name, timeout, proc.kill, show, say)
     if proc.returncode not in (0, None) and not any("error" in r for r in rows):
         rows.append({"variant": name, "error": "\n".join(tail[-25:])})
     if any("error" in r for r in rows):

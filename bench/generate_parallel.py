@@ -23,14 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import selectors
 import subprocess
 import sys
 import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
-sys.path[:0] = [ROOT]
+sys.path[:0] = [ROOT, BENCH]
+
+from common import read_child  # noqa: E402
 
 NPROC = {"write": 1, "tp1": 1, "tp2": 2, "pp2": 2}
 TIMEOUTS = {"write": 240, "tp1": 180, "tp2": 180, "pp2": 180}
@@ -224,31 +225,14 @@ def launch(args, name: str, budget_left: float, graphs: str, engine: str) -> lis
            "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
                             start_new_session=True)
-    rows, tail, start = [], [], time.perf_counter()
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    while True:
-        if time.perf_counter() - start > timeout:
-            os.killpg(proc.pid, 9)
-            rows.append({"variant": name, "error": f"timed out after {timeout:.0f}s"})
-            break
-        if not sel.select(timeout=1.0):
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break
-        line = line.rstrip()
-        tail = (tail + [line])[-40:]
-        if line.startswith("RESULT "):
-            row = json.loads(line[7:])
-            row["graphs"], row["engine"] = graphs, engine
-            rows.append(row)
-            if row.get("kind") == "throughput":
-                say(f"   {name} c={row['concurrency']:<4d} {row['tokens_per_s']:10,.0f} tok/s"
-                    + (f"  {row['ms_per_step']:.2f} ms/step" if "ms_per_step" in row else ""))
-        elif line.startswith("PROGRESS "):
-            say("   " + line[9:])
-    proc.wait()
+
+    def annotate(row: dict) -> None:
+        row["graphs"], row["engine"] = graphs, engine
+        if row.get("kind") == "throughput":
+            say(f"   {name} c={row['concurrency']:<4d} {row['tokens_per_s']:10,.0f} tok/s"
+                + (f"  {row['ms_per_step']:.2f} ms/step" if "ms_per_step" in row else ""))
+
+    rows, tail = read_child(proc, name, timeout, lambda: os.killpg(proc.pid, 9), annotate, say)
     if proc.returncode != 0 and not any("error" in r for r in rows):
         done = sum(r.get("kind") == "throughput" for r in rows) == len(args.concurrency) or name == "write"
         if done and rows:  # every figure came: a failure while tearing down is recorded, not fatal

@@ -18,8 +18,10 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from common import write_doc_block  # noqa: E402
 from fourfold.config import build_config  # noqa: E402
 from fourfold.plan.hardware import load_hardware  # noqa: E402
 from fourfold.plan.predict import predict  # noqa: E402
@@ -133,11 +135,8 @@ def main() -> None:
     args = p.parse_args()
     text = markdown(evaluate(not args.no_search))
     print(text)
-    if not args.no_write and os.path.exists(args.doc):
-        doc = open(args.doc).read()
-        if BEGIN in doc and END in doc:
-            doc = doc[:doc.index(BEGIN) + len(BEGIN)] + "\n" + text + "\n" + doc[doc.index(END):]
-            open(args.doc, "w").write(doc)
+    if not args.no_write:
+        write_doc_block(args.doc, BEGIN, END, text)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from common import write_doc_block  # noqa: E402
 from fourfold.config import build_config  # noqa: E402
 from fourfold.plan.hardware import load_hardware  # noqa: E402
 from fourfold.plan.predict import predict  # noqa: E402
@@ -78,8 +79,8 @@ def gpu_runs(results: str) -> list[Run]:
             args = {"preset": "llama-1b", "micro_batch": 4, "seq": 2048, "long": [16384]}
         else:
             data = json.load(open(path))
-            if not isinstance(data, dict) or "results" not in data:
-                continue
+            if not isinstance(data, dict) or "results" not in data or "args" not in data:
+                continue  # not a training benchmark's result file
             rows, args = data["results"], data["args"]
         for row in rows:
             if "step_ms" not in row:
@@ -216,11 +217,8 @@ def main() -> None:
     print(text)
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
-    if not args.no_write and os.path.exists(args.doc):
-        doc = open(args.doc).read()
-        if BEGIN in doc and END in doc:
-            doc = doc[:doc.index(BEGIN) + len(BEGIN)] + "\n" + text + "\n" + doc[doc.index(END):]
-            open(args.doc, "w").write(doc)
+    if not args.no_write:
+        write_doc_block(args.doc, BEGIN, END, text)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from safetensors import SafetensorError, safe_open
 from fourfold.checkpoint.dcp_storage import METADATA_FILE, read_storage_metadata, write_json
 from fourfold.checkpoint.manifest import write_manifest
 from fourfold.checkpoint.safetensors_io import SequentialSafetensorsWriter
-from fourfold.checkpoint.store import checkpoint_at, read_meta
+from fourfold.checkpoint.listing import find_checkpoint
+from fourfold.checkpoint.store import read_meta
 from fourfold.errors import CheckpointError
 
 MODEL_FILE = "model.safetensors"
@@ -35,18 +36,10 @@ MODEL_FILE = "model.safetensors"
 BOOKKEEPING = {"COMPLETE", METADATA_FILE, "meta.json", "optim.json"}
 
 
-def _find(path: str | Path) -> Path:
-    found = checkpoint_at(path)
-    if found is None:
-        raise CheckpointError(f"No complete fourfold checkpoint at '{path}': pass a checkpoints/step_N directory, "
-                              "a run directory or a consolidated model directory.")
-    return found
-
-
 def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(the saved config dict, {parameter name: full tensor on the CPU}) of a checkpoint, run or consolidated
     directory; optimizer entries are left out. Chunks are assembled in place, one file open at a time."""
-    found = _find(path)
+    found = find_checkpoint(path)
     meta = read_meta(found)
     record = read_storage_metadata(found)
     tensors = {name: torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
@@ -106,7 +99,7 @@ def extra_files_of(path: Path) -> dict[str, bytes]:
 
 def consolidate(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     """A sharded checkpoint (or run directory) -> one consolidated model directory, tokenizer files included."""
-    found = _find(checkpoint_dir)
+    found = find_checkpoint(checkpoint_dir)
     config, tensors = read_model_tensors(found)
     return write_consolidated(out_dir, config, tensors, extra_files_of(found))
 
@@ -114,7 +107,7 @@ def consolidate(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
 def shard_consolidated(model_dir: str | Path, run_dir: str | Path, step: int = 0) -> Path:
     """The reverse: a consolidated model directory -> `run_dir/checkpoints/step_<step>`, loadable by any layout
     (the same files; a consolidated model already reshards, each rank reading only its block)."""
-    found = _find(model_dir)
+    found = find_checkpoint(model_dir)
     target = Path(run_dir) / "checkpoints" / f"step_{step}"
     tmp = target.with_name(f".tmp-{target.name}")
     shutil.rmtree(tmp, ignore_errors=True)

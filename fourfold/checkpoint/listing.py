@@ -64,6 +64,16 @@ def checkpoint_at(path: str | Path) -> Path | None:
     return path if is_complete(path) else latest_checkpoint(path)
 
 
+def find_checkpoint(path: str | Path) -> Path:
+    """`checkpoint_at(path)`, or a CheckpointError saying what to pass when there is none."""
+    found = checkpoint_at(path)
+    if found is None:
+        raise CheckpointError(f"No checkpoint found at '{path}': pass a checkpoints/step_N directory, a run "
+                              "directory that has one (train with checkpoint.save_final = true) or a consolidated "
+                              "model directory.")
+    return found
+
+
 def resolve_resume(run_dir: Path, resume: str | bool) -> Path | None:
     """True/'latest' -> the newest checkpoint of run_dir (or None); a path -> that checkpoint."""
     if resume is True or resume == "latest":

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fourfold.chat import ChatTemplate
 from fourfold.checkpoint.hf_import import is_hf_dir, own_tokenizer, read_hf_model, run_config
+from fourfold.checkpoint.listing import find_checkpoint
 from fourfold.checkpoint.store import checkpoint_at, load_checkpoint, read_meta
 from fourfold.config import Config, build_config
 from fourfold.errors import CheckpointError, ConfigError
@@ -64,15 +65,6 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not known; use one of bf16, fp16 or fp32.")
     return DTYPES[dtype]
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the newest checkpoint of a run directory."""
-    latest = checkpoint_at(path)
-    if latest is None:
-        raise CheckpointError(f"No checkpoint found at '{path}': pass a checkpoints/step_N directory or a run "
-                              "directory that has one (train with checkpoint.save_final = true).")
-    return latest
 
 
 def _chat_template(ckpt: Path, tokenizer_spec: str) -> ChatTemplate:
