@@ -90,7 +90,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
 
 
-def run_one(preset: str, device: str, root: Path, steps_during: int) -> dict:
+def run_one(preset: str, device: str, root: Path, steps_during: int, model_only: bool = False) -> dict:
     """Benchmark one preset in this process; the result record."""
     import torch
 
@@ -110,9 +110,9 @@ def run_one(preset: str, device: str, root: Path, steps_during: int) -> dict:
     shutil.rmtree(run, ignore_errors=True)
     trainer = Trainer(cfg, run)
     sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
-    with_optimizer = True
+    with_optimizer = not model_only  # --model-only: the trainer state would not fit the disk
     try:
-        for _ in range(2):
+        for _ in range(2 if with_optimizer else 0):
             trainer.train_step()
             trainer.step += 1
     except torch.cuda.OutOfMemoryError:
@@ -201,17 +201,19 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     parser.add_argument("--steps-during", type=int, default=3, help="steps timed for the step-time baseline")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "checkpoint.json"))
+    parser.add_argument("--model-only", action="store_true",
+                        help="save the model alone (no AdamW state), for presets whose trainer state exceeds the disk")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one preset, print JSON
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="fourfold-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     if args.one:
-        print("RESULT " + json.dumps(run_one(args.one, args.device, root, args.steps_during)), flush=True)
+        print("RESULT " + json.dumps(run_one(args.one, args.device, root, args.steps_during, args.model_only)), flush=True)
         return 0
     results = []
     for preset in args.preset or ["llama-1b", "llama3-8b"]:
         cmd = [sys.executable, __file__, "--one", preset, "--device", args.device, "--dir", str(root),
-               "--steps-during", str(args.steps_during)]
+               "--steps-during", str(args.steps_during), *(["--model-only"] if args.model_only else [])]
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
