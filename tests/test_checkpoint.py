@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fourfold.cli import main
 from fourfold.errors import CheckpointError
 from fourfold.models.llama import Llama
 from fourfold.checkpoint import store as ckpt_mod
-from fourfold.checkpoint.safetensors_io import SafetensorsWriter, SequentialSafetensorsWriter, TensorReader
+from fourfold.checkpoint.safetensors_io import SequentialSafetensorsWriter
 from fourfold.checkpoint.store import latest_checkpoint, list_checkpoints, resolve_resume
 from fourfold.train.metrics import read_metrics
 from fourfold.train.trainer import Trainer, train
@@ -268,36 +267,6 @@ def test_zero1_checkpoint_resumes_under_zero1_and_fsdp(reference):
     first = _losses_by_step(tmp / "zero1")
     for run in ("zero1-resumed", "fsdp-from-zero1"):
         _assert_continues_reference(tmp / run, first, ref_losses, ref_weights)
-
-
-# ----- the streaming writer -----------------------------------------------------------------------
-
-def test_blocks_written_in_any_order_read_back_with_safetensors(tmp_path):
-    full = {"w": torch.randn(6, 9, dtype=torch.float64), "b": torch.arange(12).view(3, 4),
-            "h": torch.randn(5, 4, 3).bfloat16(), "step": torch.tensor(3.0), "empty": torch.empty(0, 4)}
-    blocks = {  # (offset, shape): row blocks, column blocks (tensor parallel's row-parallel shards), single cells
-        "w": [((3, 0), (3, 9)), ((0, 4), (3, 5)), ((0, 0), (3, 4))],
-        "b": [((0, 2), (3, 2)), ((0, 0), (3, 2))],
-        "h": [((i, j, 0), (1, 1, 3)) for i in range(5) for j in range(4)][::-1],
-        "step": [((), ())],
-        "empty": [((0, 0), (0, 4))],
-    }
-    path = tmp_path / "blocks.safetensors"
-    with SafetensorsWriter(path, [(name, tuple(t.shape), t.dtype) for name, t in full.items()]) as out:
-        for name, parts in blocks.items():
-            for offset, shape in parts:
-                out.write_block(name, offset, full[name][tuple(slice(o, o + n) for o, n in zip(offset, shape))])
-    loaded = load_file(str(path))
-    assert loaded.keys() == full.keys()
-    for name, value in full.items():
-        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name
-    assert torch.equal(TensorReader([path]).get_block("w", (2, 3), (4, 5)), full["w"][2:6, 3:8])
-
-
-def test_a_tensor_left_unwritten_is_an_error(tmp_path):
-    with pytest.raises(CheckpointError, match="not written whole"):
-        with SafetensorsWriter(tmp_path / "x.safetensors", [("w", (4, 2), torch.float32)]) as out:
-            out.write_block("w", (0, 0), torch.zeros(2, 2))
 
 
 # ----- another model's checkpoint -----------------------------------------------------------------

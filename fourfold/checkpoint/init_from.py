@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fourfold.checkpoint.hf_import import import_hf, is_hf_dir, own_tokenizer, read_json
+from fourfold.checkpoint.listing import find_checkpoint
 from fourfold.checkpoint.store import checkpoint_at, load_checkpoint, read_meta
 from fourfold.models.hf import config_from_hf
 from fourfold.config import Config, ModelConfig
@@ -32,12 +33,7 @@ from fourfold.errors import CheckpointError, ConfigError
 
 def init_checkpoint(path: str | Path) -> Path:
     """The complete checkpoint `path` names (a checkpoint, run or consolidated directory)."""
-    found = checkpoint_at(path)
-    if found is None:
-        raise CheckpointError(f"checkpoint.init_from = '{path}': no complete fourfold checkpoint there (a "
-                              "checkpoint directory holds the COMPLETE marker); pass a checkpoints/step_N "
-                              "directory, a run directory or a consolidated model directory.")
-    return found
+    return find_checkpoint(path, setting="checkpoint.init_from")
 
 
 def saved_model_config(path: str | Path) -> dict:

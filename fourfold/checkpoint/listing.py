@@ -64,13 +64,15 @@ def checkpoint_at(path: str | Path) -> Path | None:
     return path if is_complete(path) else latest_checkpoint(path)
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """`checkpoint_at(path)`, or a CheckpointError saying what to pass when there is none."""
+def find_checkpoint(path: str | Path, setting: str | None = None) -> Path:
+    """`checkpoint_at(path)`, or a CheckpointError saying what to pass when there is none (naming the config
+    `setting` that gave the path, if any)."""
     found = checkpoint_at(path)
     if found is None:
-        raise CheckpointError(f"No checkpoint found at '{path}': pass a checkpoints/step_N directory, a run "
-                              "directory that has one (train with checkpoint.save_final = true) or a consolidated "
-                              "model directory.")
+        where = f"{setting} = '{path}'" if setting else f"No checkpoint found at '{path}'"
+        raise CheckpointError(f"{where}: no complete fourfold checkpoint there (a checkpoint directory holds the COMPLETE "
+                              "marker); pass a checkpoints/step_N directory, a run directory that has one (train "
+                              "with checkpoint.save_final = true) or a consolidated model directory.")
     return found
 
 

@@ -27,16 +27,14 @@ from fourfold.errors import CheckpointError, ConfigError
 
 def load_model(path: str | Path, device: torch.device):
     """(model in eval mode on `device`, Config, meta) for a checkpoint or a run directory's newest checkpoint."""
-    from fourfold.checkpoint.store import checkpoint_at, load_checkpoint, read_meta
+    from fourfold.checkpoint.listing import find_checkpoint
+    from fourfold.checkpoint.store import load_checkpoint, read_meta
     from fourfold.config import build_config
     from fourfold.models.llama import Llama
     from fourfold.quant.qat import apply_checkpoint_quant, check_device_runs
     from fourfold.quant.schemes import scheme_by_name
 
-    ckpt = checkpoint_at(path)
-    if ckpt is None:
-        raise CheckpointError(f"No checkpoint found at '{path}': pass a checkpoints/step_N directory or a run "
-                              "directory that has one.")
+    ckpt = find_checkpoint(path)
     meta = read_meta(ckpt)
     if "config" not in meta:
         raise CheckpointError(f"{ckpt / 'meta.json'} has no \"config\"; it is not a fourfold training checkpoint.")

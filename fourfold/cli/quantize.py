@@ -48,7 +48,8 @@ def main(argv: list[str], console: Console) -> int:
     """`fourfold quantize`: write the converted checkpoint and print its size; return 0."""
     import torch
 
-    from fourfold.checkpoint.store import checkpoint_at, load_checkpoint, read_meta, save_checkpoint
+    from fourfold.checkpoint.listing import find_checkpoint
+    from fourfold.checkpoint.store import load_checkpoint, read_meta, save_checkpoint
     from fourfold.config import build_config
     from fourfold.models.llama import Llama
     from fourfold.preflight import check_output_dir
@@ -63,10 +64,7 @@ def main(argv: list[str], console: Console) -> int:
         raise ConfigError(f"--method {a.method!r} is not one of {', '.join(METHODS)}.")
     if a.device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {a.device!r} is not cpu or cuda.")
-    ckpt = checkpoint_at(a.checkpoint)
-    if ckpt is None:
-        raise CheckpointError(f"No checkpoint found at '{a.checkpoint}': pass a checkpoints/step_N directory or a "
-                              "run directory that has one.")
+    ckpt = find_checkpoint(a.checkpoint)
     meta = read_meta(ckpt)
     if meta.get("quant"):
         raise ConfigError(f"{ckpt} is already quantized ({meta['quant'].get('scheme')}); quantize the "
