@@ -10,12 +10,19 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from fourfold.infer.requests import SamplingParams
 
 MAX_N = 8
 MAX_STOP_STRINGS = 4
+
+
+def refuse_if_set(value, info: ValidationInfo):
+    """A field this server accepts only when unset or empty (false, null, [], {}): say so, naming it."""
+    if value:
+        raise ValueError(f"{info.field_name} is not supported by this server")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -59,10 +66,8 @@ class SamplingFields(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported by this server")
-        return v
+    def _no_logit_bias(cls, v, info: ValidationInfo):
+        return refuse_if_set(v, info)
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int], seed_offset: int = 0) -> SamplingParams:
         """The engine's parameters for one of the n choices (each choice gets its own seed when one is set)."""
@@ -90,19 +95,10 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         return v
 
-    @field_validator("echo")
+    @field_validator("echo", "suffix")
     @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported by this server")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported by this server")
-        return v
+    def _unsupported(cls, v, info: ValidationInfo):
+        return refuse_if_set(v, info)
 
 
 class TextPart(BaseModel):
@@ -136,10 +132,8 @@ class ChatCompletionRequest(SamplingFields):
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported by this server")
-        return v
+    def _no_tools(cls, v, info: ValidationInfo):
+        return refuse_if_set(v, info)
 
     @field_validator("response_format")
     @classmethod
