@@ -1,13 +1,13 @@
 """Host-side cost of one inference-engine step (schedule, prepare, sample, read, outputs) with no model work.
 
     python bench/engine_host.py [--concurrency 1 64 256] [--prompt-len 128] [--new-tokens 256]
-                                [--repeats 3] [--look-ahead] [--profile 256] [--json out.json]
+                                [--repeats 3] [--look-ahead] [--no-detokenize] [--profile 256] [--json out.json]
 
 The engine (fourfold.infer.engine.LLMEngine) runs as `bench/generate.py` drives it on the GPU: all
 requests go in through the offline `LLM.generate` loop (outputs consumed, text built), greedy, eos
-ignored, but the model runner's `forward` returns fixed logits at once (vocabulary 257, the byte
-tokenizer's), so every microsecond measured is Python bookkeeping plus the few tiny CPU tensor ops the
-GPU run would launch. Times are this thread's CPU time (`time.thread_time`), so other processes on a
+ignored, but the model runner's `forward` returns fixed logits at once (two columns: greedy picks id 1,
+a byte the byte tokenizer decodes), so every microsecond measured is Python bookkeeping plus the few
+tiny CPU tensor ops the GPU run would launch. Times are this thread's CPU time (`time.thread_time`), so other processes on a
 shared machine disturb them little; each concurrency runs `--repeats` times and the fastest run counts.
 
 Phases, per engine step (averaged over every step of the run, prefill steps included):
@@ -16,7 +16,7 @@ Phases, per engine step (averaged over every step of the run, prefill steps incl
   sample     Sampler.sample and the launch bookkeeping around it
   read       reading the sampled ids back and applying stop conditions
   outputs    building RequestOutputs (detokenization) and the LLM.generate loop consuming them
-`--look-ahead` forces the CUDA path's overlapped look-ahead stepping (outputs one step late) on CPU,
+`--no-detokenize` sets SamplingParams.detokenize=False (ids only, no per-token text). `--look-ahead` forces the CUDA path's overlapped look-ahead stepping (outputs one step late) on CPU,
 to compare its host cost with the plain path. `--profile N` prints a cProfile table of a run at N.
 The "host-bound tok/s" column is generated tokens over the host time: the ceiling the Python side
 puts on end-to-end throughput when the GPU step is free.
@@ -40,7 +40,8 @@ from fourfold.infer.model_runner import ModelRunner
 from fourfold.infer.requests import SamplingParams
 from fourfold.tokenizer import ByteTokenizer
 
-VOCAB = 257
+WIDTH = 2
+"""Logits columns: greedy picks id 1 every step; so narrow that the CPU argmax costs what a GPU launch does."""
 PHASES = ("schedule", "prepare", "sample", "read", "outputs")
 
 
@@ -49,8 +50,8 @@ class InstantRunner(ModelRunner):
 
     def __init__(self, pool: KVPool, max_seqs: int):
         super().__init__(None, pool, torch.device("cpu"), fuse=False)
-        self.logits = torch.zeros(max_seqs, VOCAB)
-        self.logits[:, 97] = 1.0  # greedy picks "a" every step
+        self.logits = torch.zeros(max_seqs, WIDTH)
+        self.logits[:, 1] = 1.0
 
     def forward(self, st):
         return self.logits[:st.logits_for.shape[0]]
@@ -102,6 +103,8 @@ def run_once(concurrency: int, args) -> dict:
     llm.engine.step = counted_step
     prompts = [[(7 * i + j) % 256 for j in range(args.prompt_len)] for i in range(concurrency)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    if args.no_detokenize:  # token ids only, as the Hugging Face peers of bench/generate.py return
+        params.detokenize = False
     t0 = time.thread_time()
     results = llm.generate(prompts, params, progress=False)
     total = time.thread_time() - t0
@@ -126,6 +129,7 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=4096, help="as bench/generate.py's default")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--look-ahead", action="store_true")
+    parser.add_argument("--no-detokenize", action="store_true", help="SamplingParams(detokenize=False)")
     parser.add_argument("--profile", type=int, default=0, help="print a cProfile table of one run at this size")
     parser.add_argument("--json")
     args = parser.parse_args()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from fourfold.infer.block_rows import BlockRows
 from fourfold.infer.sequence import Sequence
 
 
@@ -35,6 +36,8 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.block_hash: dict[int, int] = {}
         self.queries = self.hits = 0
+        self.rows = BlockRows(fill=num_blocks)
+        """Every table also as a row of one array (padded with the pool's scratch block, id num_blocks)."""
 
     # -- pool state -------------------------------------------------------------------------------
     @property
@@ -71,6 +74,7 @@ class BlockManager:
                 break
             self._take(block)
             seq.block_table.append(block)
+            self.rows.append(seq, block)
             seq.block_hashes.append(h)
             parent = h
         matched = len(seq.block_table) * bs
@@ -127,10 +131,12 @@ class BlockManager:
             return False
         for _ in range(max(need, 0)):
             seq.block_table.append(self._new_block())
+            self.rows.append(seq, seq.block_table[-1])
         return True
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references; blocks at zero go back to the pool (kept for hits if hashed)."""
+        self.rows.release(seq)
         for block in reversed(seq.block_table):  # the tail is evicted before the prefix it extends
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} released more often than taken"

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,11 +29,11 @@ from torch import nn
 
 from fourfold.errors import ConfigError
 from fourfold.infer.block_manager import BlockManager
-from fourfold.infer.detokenizer import IncrementalDetokenizer
 from fourfold.infer.engine_config import EngineConfig
 from fourfold.infer.kv_pool import KVPool, block_bytes, blocks_for_budget, cuda_budget
 from fourfold.infer.model_runner import ModelRunner
 from fourfold.infer.pipeline_runner import PipelineRunner
+from fourfold.infer.request_state import RequestState, apply_tokens, build_outputs
 from fourfold.infer.requests import EngineStats, RequestOutput, SamplingParams
 from fourfold.infer.sampler import Sampler
 from fourfold.infer.scheduler import Scheduler
@@ -44,16 +43,6 @@ from fourfold.infer.sequence import Sequence
 PLACEHOLDER = -1
 """The output token of a launched step until its sampled id is read back (fourfold.infer.block_manager
 does not hash a block that holds one)."""
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    arrival_time: float
-    last_token_time: float | None = None
-    pending_text: bool = False
-    """The last token's text is decoded when its output is built (no stop string needed it earlier)."""
 
 
 def pool_for(model: nn.Module, cfg: EngineConfig, device: torch.device, kv_heads: int, dtype: torch.dtype,
@@ -93,7 +82,7 @@ class LLMEngine:
         # Tensor-parallel ranks sample in lockstep: the same seed gives every rank the same draws.
         generator = None if sampling_seed is None else torch.Generator(runner.device).manual_seed(sampling_seed)
         self.sampler = Sampler(generator)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
         self.prompt_tokens = self.generation_tokens = 0
@@ -135,7 +124,7 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         seq = Sequence(request_id, ids, params, next(self._arrivals))
         self.scheduler.add(seq)
-        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), time.monotonic())
+        self.requests[request_id] = RequestState(seq, self.tokenizer, self.eos_id, self.max_model_len, time.monotonic())
         self.prompt_tokens += len(ids)
 
     def abort_request(self, request_id: str) -> None:
@@ -146,7 +135,7 @@ class LLMEngine:
         self.scheduler.finish(req.seq, "abort")
         while req.seq.output_ids and req.seq.output_ids[-1] == PLACEHOLDER:  # tokens of steps not read yet
             req.seq.output_ids.pop()
-        self._aborted.append(RequestOutput(request_id, [], req.detok.delta(finished=True), True, "abort",
+        self._aborted.append(RequestOutput(request_id, [], req.final_text(), True, "abort",
                                            len(req.seq.prompt_ids), len(req.seq.output_ids),
                                            cached_prompt_tokens=req.seq.cached_prompt_tokens))
 
@@ -161,7 +150,7 @@ class LLMEngine:
         if not self.overlap:
             launched = self._launch()
             if launched is not None:
-                outputs += [self._output(*a) for a in self._read(launched)]
+                outputs += build_outputs(*self._read(launched))
             return outputs
         previous, self._pending = self._pending, None
         if previous is not None and self.cfg.look_ahead and self._can_look_ahead(previous):
@@ -169,9 +158,9 @@ class LLMEngine:
             self._pending = self._launch(previous)  # the previous tokens go in on the device
             applied = self._read(previous)
         else:
-            applied = self._read(previous) if previous is not None else []
+            applied = self._read(previous) if previous is not None else ([], 0.0)
             self._pending = self._launch()
-        return outputs + [self._output(*a) for a in applied]
+        return outputs + build_outputs(*applied)
 
     def _launch(self, previous: tuple | None = None) -> tuple | None:
         """Schedule a step, run the model and the sampler (asynchronously on CUDA); what `_read` needs.
@@ -182,7 +171,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
-        st = self.runner.prepare(chunks)
+        st = self.runner.prepare(chunks, self.blocks.rows)
         if previous is not None:
             self._fill_placeholders(st, chunks, previous)
         logits = self.runner.forward(st)
@@ -190,12 +179,12 @@ class LLMEngine:
         sampling = [c.seq for c in chunks if c.samples]
         if not sampling:
             return None
-        token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling], [s.output_ids for s in sampling])
+        outs = [s.output_ids for s in sampling]
+        token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling], outs)
         reqs = [self.requests[s.request_id] for s in sampling]
-        slots = []
-        for seq in sampling:
-            seq.output_ids.append(PLACEHOLDER)
-            slots.append(len(seq.output_ids) - 1)
+        slots = [len(o) for o in outs]
+        for o in outs:
+            o.append(PLACEHOLDER)
         host, ready = token_ids, None
         if token_ids.is_cuda:  # read back through pinned memory: a later step queued behind it need not finish
             host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
@@ -225,62 +214,27 @@ class LLMEngine:
         admitted, no pending token ends its sequence by length, and no running sequence uses penalties."""
         if self.scheduler.waiting or len(self.scheduler.running) > self.cfg.look_ahead_max_seqs:
             return False
-        for req, slot in zip(previous[0], previous[1]):
-            seq, p = req.seq, req.seq.params
-            if slot + 1 >= p.max_tokens or len(seq.prompt_ids) + slot + 1 >= self.max_model_len:
-                return False
+        if any(slot >= req.last_slot for req, slot in zip(previous[0], previous[1])):
+            return False
         return not any(s.params.repetition_penalty != 1.0 or s.params.frequency_penalty != 0.0
                        or s.params.presence_penalty != 0.0 for s in self.scheduler.running)
 
-    def _read(self, launched: tuple) -> list[tuple]:
+    def _read(self, launched: tuple) -> tuple[list[tuple], float]:
         """Wait for a launched step's tokens, put them in place of its placeholders and apply the stop
-        conditions; the `_output` arguments of each sequence still running."""
+        conditions; the `build_outputs` arguments."""
         reqs, slots, _, logprobs, host, ready = launched
         if ready is not None:
             ready.synchronize()
-        tokens = host.tolist()
-        now = time.monotonic()
-        return [(req, token, lp, self._apply(req, token, slot), now)
-                for req, slot, token, lp in zip(reqs, slots, tokens, logprobs)
-                if not req.seq.is_finished]  # aborted meanwhile: its last output is already queued
+        applied = apply_tokens(reqs, slots, host.tolist(), logprobs, self._finish)
+        self.generation_tokens += len(applied)
+        return applied, time.monotonic()
 
-    def _apply(self, req: _Request, token: int, slot: int) -> str | None:
-        """Put `token` at output slot `slot` and finish the sequence when a stop condition holds; the reason."""
-        seq, p = req.seq, req.seq.params
-        seq.output_ids[slot] = token
-        self.generation_tokens += 1
-        reason = None
-        req.pending_text = False
-        if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif p.stop and req.detok.add(token):  # stop strings are checked now, plain text later (_output)
-            reason = "stop"
-        else:
-            req.pending_text = not p.stop
-            if slot + 1 >= p.max_tokens or len(seq.prompt_ids) + slot + 1 >= self.max_model_len:
-                reason = "length"
-        if reason is not None:
-            del seq.output_ids[slot + 1:]  # a look-ahead step's placeholder
-            self.scheduler.finish(seq, reason)
-            del self.requests[seq.request_id]
-        return reason
-
-    def _output(self, req: _Request, token: int, lp, reason: str | None, now: float) -> RequestOutput:
-        """The RequestOutput of a token `_apply` took (its text decoded here when no stop string needed it)."""
+    def _finish(self, req: RequestState, reason: str, slot: int) -> None:
+        """End a request whose token at output `slot` met a stop condition."""
         seq = req.seq
-        if req.pending_text:
-            req.detok.add(token)
-        if reason is not None:
-            req.detok.flush()
-        out = RequestOutput(seq.request_id, [token], req.detok.delta(finished=reason is not None),
-                            reason is not None, reason, len(seq.prompt_ids), len(seq.output_ids),
-                            [lp] if lp is not None else [], seq.cached_prompt_tokens)
-        if req.last_token_time is None:
-            out.ttft_s = now - req.arrival_time
-        else:
-            out.inter_token_s = now - req.last_token_time
-        req.last_token_time = now
-        return out
+        del seq.output_ids[slot + 1:]  # a look-ahead step's placeholder
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.request_id]
 
     def stats(self) -> EngineStats:
         """Running/waiting sequences, KV blocks, prefix-cache hit counts, preemptions, token counts."""

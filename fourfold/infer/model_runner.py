@@ -9,22 +9,25 @@ each sequence that samples. `decode_forward(st)` is the pure tensor function of 
 work, no syncs on the GPU kernel path): the CUDA-graph wrapper (fourfold.infer.cuda_graphs) captures
 it over static StepTensors padded to a fixed batch size. With `fuse=True` (on CUDA by default) a whole
 fourfold Llama runs through fourfold.infer.fused_decoder (fused q|k|v and gate|up weights, fused
-elementwise kernels); tensor-parallel and pipeline models keep the model's own forward. On CUDA the
-step's index tensors go up in two non-blocking copies from pinned host buffers.
+elementwise kernels); tensor-parallel and pipeline models keep the model's own forward. The step's index
+arrays are built with numpy (fourfold.infer.step_tensors.host_step); on CUDA they go up in two
+non-blocking copies from pinned host buffers.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from fourfold.infer import attention_gpu
+from fourfold.infer.block_rows import BlockRows
 from fourfold.infer.cuda_graphs import DecodeGraphs
 from fourfold.infer.fused_decoder import FusedDecoder
 from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.paged_attention import CpuAttentionPlan, PagedStep
 from fourfold.infer.scheduler import ScheduledChunk
-from fourfold.infer.step_tensors import StepTensors
+from fourfold.infer.step_tensors import StepTensors, host_step
 
 UPLOAD_RING = 8
 """Pinned host buffers per dtype that step uploads rotate through."""
@@ -59,42 +62,28 @@ class ModelRunner:
                                    scratch_block=self.pool.scratch_block, device=self.device)
         self.graphs.capture()
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepTensors:
-        """The step's tensors on the device, from each chunk's sequence state (before it advances)."""
-        bs, scratch = self.pool.block_size, self.pool.scratch_block
-        tokens, positions, slots, lens, starts, sample_at = [], [], [], [], [0], []
-        max_blocks = max(len(c.seq.block_table) for c in chunks)
-        tables = []
-        for c in chunks:
-            seq, a = c.seq, c.seq.num_computed
-            b = a + c.num_tokens
-            tokens += seq.tokens_between(a, b)
-            table = seq.block_table
-            positions += range(a, b)
-            slots += [table[p // bs] * bs + p % bs for p in range(a, b)]
-            tables.append(table + [scratch] * (max_blocks - len(table)))
-            lens.append(b)
-            starts.append(starts[-1] + c.num_tokens)
-            if c.samples:
-                sample_at.append(starts[-1] - 1)
-        if self.device.type == "cpu":
-            return StepTensors(torch.tensor(tokens, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                               torch.tensor(slots, dtype=torch.long), torch.tensor(tables, dtype=torch.int32),
-                               torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
-                               torch.tensor(sample_at, dtype=torch.long))
-        t, s, r = len(tokens), len(lens), len(sample_at)
-        wide = self.upload(tokens + positions + slots + sample_at, torch.long)
-        narrow = self.upload([b for row in tables for b in row] + lens + starts, torch.int32)
-        return StepTensors(wide[:t], wide[t:2 * t], wide[2 * t:3 * t], narrow[:s * max_blocks].view(s, max_blocks),
-                           narrow[s * max_blocks:s * max_blocks + s], narrow[s * max_blocks + s:], wide[3 * t:3 * t + r])
+    def prepare(self, chunks: list[ScheduledChunk], rows: BlockRows | None = None) -> StepTensors:
+        """The step's tensors on the device, from each chunk's sequence state (before it advances).
 
-    def upload(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        `rows`: the block manager's BlockRows, where the step's block tables are gathered from.
+        """
+        arrays = host_step(chunks, self.pool.block_size, self.pool.scratch_block, rows)
+        if self.device.type == "cpu":
+            return StepTensors(*(torch.from_numpy(a) for a in arrays))
+        tokens, positions, slots, tables, lens, starts, logits_for = arrays
+        t, s, r, w = len(tokens), len(lens), len(logits_for), tables.shape[1]
+        wide = self.upload(np.concatenate([tokens, positions, slots, logits_for]), torch.long)
+        narrow = self.upload(np.concatenate([tables.ravel(), lens, starts]), torch.int32)
+        return StepTensors(wide[:t], wide[t:2 * t], wide[2 * t:3 * t], narrow[:s * w].view(s, w),
+                           narrow[s * w:s * w + s], narrow[s * w + s:], wide[3 * t:3 * t + r])
+
+    def upload(self, values: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """`values` on the device; on CUDA through pinned host buffers and one non-blocking copy.
 
         A copy waits in the stream behind the step before it, so each dtype has a ring of buffers and a
         buffer is refilled only once its copy has run (several uploads later: no wait in practice).
         """
-        host = torch.tensor(values, dtype=dtype)
+        host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
         if self.device.type != "cuda":
             return host.to(self.device)
         ring = self._pinned.setdefault(dtype, [])

@@ -45,6 +45,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     """None: no logprobs; k >= 0: the chosen token's logprob and the k most likely tokens' at each step."""
+    detokenize: bool = True
+    """False: outputs carry token ids only (text_delta stays empty) and the engine skips the per-token
+    detokenization; stop strings need it True."""
 
     def check(self) -> None:
         """Raise ConfigError naming the field for a value out of range."""
@@ -64,6 +67,9 @@ class SamplingParams:
         for name, ok, valid in rules:
             if not ok:
                 raise ConfigError(f"{name} = {getattr(self, name)!r} is out of range; set it to {valid}.")
+        if self.stop and not self.detokenize:
+            raise ConfigError(f"stop = {self.stop!r} needs the output text, but detokenize is False; "
+                              "set detokenize=True or drop the stop strings.")
 
 
 @dataclass
@@ -76,7 +82,7 @@ class TokenLogprobs:
     """(token id, logprob) of the `logprobs` most likely tokens, most likely first."""
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one engine step produced for one request: the new tokens and text since the last output."""
 

@@ -49,6 +49,15 @@ def row_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def distinct(params: Sequence[SamplingParams]) -> list[SamplingParams]:
+    """The different SamplingParams objects of a batch (requests often share one): checks run over these."""
+    return list({id(p): p for p in params}.values())
+
+
+def penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                     output_ids: Sequence[Sequence[int]]) -> torch.Tensor:
     """Float32 logits with repetition (HF), then frequency and presence (OpenAI) penalties applied.
@@ -56,8 +65,9 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     The input is never modified: a new tensor when a row is penalised (or the input was not float32),
     else the input itself.
     """
-    rows = [i for i, p in enumerate(params) if output_ids[i] and (
-        p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)]
+    if not any(penalised(p) for p in distinct(params)):
+        return logits.float()
+    rows = [i for i, p in enumerate(params) if output_ids[i] and penalised(p)]
     if not rows:
         return logits.float()
     logits = logits.float().clone()
@@ -118,12 +128,15 @@ class Sampler:
         """(token ids (n,) int64 on the logits' device, one TokenLogprobs or None per row); see the module doc."""
         n = logits.shape[0]
         assert len(params) == n and len(output_ids) == n, "one SamplingParams and one output list per row"
-        greedy_only = all(p.temperature == 0 for p in params)
+        kinds = distinct(params)
+        greedy_only = all(p.temperature == 0 for p in kinds)
         penalised = apply_penalties(logits, params, output_ids)
         if greedy_only:
             token_ids = penalised.argmax(dim=-1)
         else:
             token_ids = self._draw(penalised, params, output_ids)
+        if all(p.logprobs is None for p in kinds):
+            return token_ids, [None] * n
         return token_ids, self._logprobs(logits, token_ids, params)
 
     def _draw(self, logits: torch.Tensor, params: Sequence[SamplingParams],

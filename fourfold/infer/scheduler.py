@@ -21,23 +21,28 @@ nothing waits, decodes every running sequence. It is the baseline the serving be
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from operator import attrgetter
 
 from fourfold.errors import ConfigError
 from fourfold.infer.block_manager import BlockManager
 from fourfold.infer.sequence import Sequence, SequenceStatus
 
 
-@dataclass
 class ScheduledChunk:
     """`num_tokens` tokens of `seq`, starting at its `num_computed`; `samples` when they reach its end."""
 
-    seq: Sequence
-    num_tokens: int
-    samples: bool = False
+    __slots__ = ("seq", "num_tokens", "samples")
 
-    def __post_init__(self):
-        self.samples = self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+    def __init__(self, seq: Sequence, num_tokens: int, samples: bool | None = None):
+        self.seq, self.num_tokens = seq, num_tokens
+        self.samples = seq.num_computed + num_tokens == seq.num_tokens if samples is None else samples
+        """Whether the chunk reaches the sequence's last token (None: worked out from the sequence)."""
+
+    def __repr__(self) -> str:
+        return f"ScheduledChunk({self.seq.request_id!r}, {self.num_tokens}, samples={self.samples})"
+
+
+_ARRIVAL = attrgetter("arrival")
 
 
 class Scheduler:
@@ -104,21 +109,38 @@ class Scheduler:
 
     def _run_running(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Schedule running sequences (decodes before unfinished prefills, oldest first); the budget left."""
-        ordered = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.arrival))
-        for seq in ordered:
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+        decodes, prefills = [], []
+        for seq in self.running:
+            if len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed > 1:
+                prefills.append(seq)
+            else:
+                decodes.append(seq)
+        decodes.sort(key=_ARRIVAL)  # usually in order already: a linear pass
+        prefills.sort(key=_ARRIVAL)
+        blocks, block_size, running = self.blocks, self.blocks.block_size, SequenceStatus.RUNNING
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not running:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
-            while not self.blocks.grow(seq, seq.num_computed + n):
-                victim = max(self.running, key=lambda s: s.arrival)
-                self._preempt(victim)
-                for c in [c for c in chunks if c.seq is victim]:
-                    chunks.remove(c)
-                    budget += c.num_tokens
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                chunks.append(ScheduledChunk(seq, n))
+            left = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed
+            if left == 1 and seq.num_computed < len(seq.block_table) * block_size:  # a decode with room
+                chunks.append(ScheduledChunk(seq, 1, True))
+                budget -= 1
+                continue
+            n = left if left < budget else budget
+            end = seq.num_computed + n
+            if end > len(seq.block_table) * block_size:  # it needs another block
+                while not blocks.grow(seq, end):
+                    victim = max(self.running, key=_ARRIVAL)
+                    self._preempt(victim)
+                    for c in [c for c in chunks if c.seq is victim]:
+                        chunks.remove(c)
+                        budget += c.num_tokens
+                    if victim is seq:
+                        break
+            if seq.status is running:
+                chunks.append(ScheduledChunk(seq, n, n == left))
                 budget -= n
         return budget
 
@@ -144,6 +166,10 @@ class Scheduler:
 
     def after_step(self, chunks: list[ScheduledChunk]) -> None:
         """Advance every scheduled sequence past its chunk and register blocks that became full."""
+        blocks, block_size = self.blocks, self.blocks.block_size
+        caching = blocks.enable_prefix_caching
         for c in chunks:
-            c.seq.num_computed += c.num_tokens
-            self.blocks.register_full_blocks(c.seq)
+            seq = c.seq
+            seq.num_computed += c.num_tokens
+            if caching and seq.num_computed >= (len(seq.block_hashes) + 1) * block_size:  # a block became full
+                blocks.register_full_blocks(seq)

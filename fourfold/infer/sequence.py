@@ -43,11 +43,18 @@ class Sequence:
     cached_prompt_tokens: int = 0
     """Prompt tokens found in the prefix cache at the first schedule."""
     scheduled_once: bool = False
+    table_row: int = -1
+    """This sequence's row in the block manager's BlockRows (fourfold.infer.block_rows); -1 while it holds none."""
 
     @property
     def token_ids(self) -> list[int]:
         """Prompt then generated tokens."""
         return self.prompt_ids + self.output_ids
+
+    def token_at(self, position: int) -> int:
+        """token_ids[position] without building the whole list."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list."""
