@@ -168,12 +168,13 @@ class LLMEngine:
         Each sampling sequence gets a placeholder token that `_read` replaces; with `previous` (its tokens
         not read yet) the placeholders of that step are filled on the device from its sampled ids.
         """
+        preemptions = self.scheduler.preemptions
         chunks = self.scheduler.schedule()
         if not chunks:
             return None
         st = self.runner.prepare(chunks, self.blocks.rows)
         if previous is not None:
-            self._fill_placeholders(st, chunks, previous)
+            self._fill_placeholders(st, chunks, previous, self.scheduler.preemptions == preemptions)
         logits = self.runner.forward(st)
         self.scheduler.after_step(chunks)
         sampling = [c.seq for c in chunks if c.samples]
@@ -185,17 +186,17 @@ class LLMEngine:
         slots = [len(o) for o in outs]
         for o in outs:
             o.append(PLACEHOLDER)
-        host, ready = token_ids, None
-        if token_ids.is_cuda:  # read back through pinned memory: a later step queued behind it need not finish
-            host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            host.copy_(token_ids, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+        host, ready = self.runner.download(token_ids)  # CUDA: pinned, so a step queued behind need not finish
         return reqs, slots, token_ids, logprobs, host, ready
 
-    def _fill_placeholders(self, st, chunks, previous: tuple) -> None:
+    def _fill_placeholders(self, st, chunks, previous: tuple, none_preempted: bool) -> None:
         """Put `previous`'s sampled ids (still on the device) where this step's tokens hold its placeholders."""
         reqs, slots, token_ids = previous[:3]
+        if (none_preempted and st.tokens.shape[0] == len(chunks) == len(reqs)
+                and all(c.seq is r.seq for c, r in zip(chunks, reqs))):
+            # The same sequences decode again, in the same order: each one's only token is its placeholder.
+            st.tokens.copy_(token_ids)
+            return
         source = {id(req.seq): (i, len(req.seq.prompt_ids) + slot) for i, (req, slot) in enumerate(zip(reqs, slots))}
         dst, src, offset = [], [], 0
         for c in chunks:

@@ -31,6 +31,8 @@ from fourfold.infer.step_tensors import StepTensors, host_step
 
 UPLOAD_RING = 8
 """Pinned host buffers per dtype that step uploads rotate through."""
+DOWNLOAD_RING = 4
+"""Pinned host buffers that sampled ids are read back through (a step's ids are read before 4 more launch)."""
 
 
 def full_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -51,6 +53,8 @@ class ModelRunner:
         self.fused = FusedDecoder.from_model(model) if fuse else None
         self._pinned: dict[torch.dtype, list] = {}  # per dtype a ring of (pinned buffer, event after its copy)
         self._upload_turn: dict[torch.dtype, int] = {}
+        self._downloads: list = [(None, None)] * DOWNLOAD_RING  # (pinned buffer, event after its copy)
+        self._download_turn = 0
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """On CUDA with the Triton kernel: capture decode steps of up to `max_batch` sequences (padded sizes)."""
@@ -101,6 +105,29 @@ class ModelRunner:
         event.record()
         ring[turn] = (buf, event)
         return out
+
+    def download(self, values: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """A host copy of `values` (1-D) under way and the event after which it is complete (CPU: `values`, None).
+
+        On CUDA the copy goes into a ring of pinned buffers allocated once (no pinned allocation per step),
+        so a later step queued behind it never delays it; a buffer is reused DOWNLOAD_RING copies later.
+        """
+        if not values.is_cuda:
+            return values, None
+        turn = self._download_turn
+        self._download_turn = (turn + 1) % DOWNLOAD_RING
+        buf, done = self._downloads[turn]
+        if done is not None:
+            done.synchronize()  # read long ago in practice
+        n = values.numel()
+        if buf is None or buf.numel() < n or buf.dtype != values.dtype:
+            buf = torch.empty(max(n, 512), dtype=values.dtype, pin_memory=True)
+        host = buf[:n]
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._downloads[turn] = (buf, event)
+        return host, event
 
     def decode_forward(self, st: StepTensors) -> torch.Tensor:
         """Logits (len(st.logits_for), vocab) of one step, model dtype; a pure function of the tensors."""

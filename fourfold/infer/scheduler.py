@@ -125,7 +125,10 @@ class Scheduler:
                 continue
             left = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed
             if left == 1 and seq.num_computed < len(seq.block_table) * block_size:  # a decode with room
-                chunks.append(ScheduledChunk(seq, 1, True))
+                chunk = seq.decode_chunk
+                if chunk is None:
+                    chunk = seq.decode_chunk = ScheduledChunk(seq, 1, True)
+                chunks.append(chunk)
                 budget -= 1
                 continue
             n = left if left < budget else budget

@@ -43,6 +43,8 @@ class Sequence:
     cached_prompt_tokens: int = 0
     """Prompt tokens found in the prefix cache at the first schedule."""
     scheduled_once: bool = False
+    decode_chunk: object = None
+    """The scheduler's reusable one-token chunk for this sequence (built once, not every decode step)."""
     table_row: int = -1
     """This sequence's row in the block manager's BlockRows (fourfold.infer.block_rows); -1 while it holds none."""
 
