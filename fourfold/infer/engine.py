@@ -14,8 +14,13 @@ the context is full ('length': the next token would not fit max_model_len). Fini
 requests give their blocks back at once. With `overlap` (EngineConfig.overlap_steps, CUDA only) a step
 launches the model and the sampler, then builds the previous step's outputs while the GPU works: each
 `step()` returns the outputs of the step before it (the tokens are the same; stop conditions are checked
-before the next step is scheduled, so no sequence runs past its end). The async API (fourfold.infer.async_engine) and the offline
-`LLM` (fourfold.infer.llm) drive this class.
+before the next step is scheduled, so no sequence runs past its end). The async API
+(fourfold.infer.async_engine) and the offline `LLM` (fourfold.infer.llm) drive this class.
+
+The host work per step is kept small (bench/engine_host.py measures it): the step's index arrays are
+built with numpy over the block manager's persistent table rows (fourfold.infer.step_tensors), stop
+rules are precomputed per request (fourfold.infer.request_state), and requests that set
+`SamplingParams.detokenize=False` skip per-token detokenization.
 """
 
 from __future__ import annotations

@@ -59,13 +59,13 @@ def penalised(p: SamplingParams) -> bool:
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    output_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+                    output_ids: Sequence[Sequence[int]], kinds: Optional[list[SamplingParams]] = None) -> torch.Tensor:
     """Float32 logits with repetition (HF), then frequency and presence (OpenAI) penalties applied.
 
     The input is never modified: a new tensor when a row is penalised (or the input was not float32),
     else the input itself.
     """
-    if not any(penalised(p) for p in distinct(params)):
+    if not any(penalised(p) for p in (kinds if kinds is not None else distinct(params))):
         return logits.float()
     rows = [i for i, p in enumerate(params) if output_ids[i] and penalised(p)]
     if not rows:
@@ -130,7 +130,7 @@ class Sampler:
         assert len(params) == n and len(output_ids) == n, "one SamplingParams and one output list per row"
         kinds = distinct(params)
         greedy_only = all(p.temperature == 0 for p in kinds)
-        penalised = apply_penalties(logits, params, output_ids)
+        penalised = apply_penalties(logits, params, output_ids, kinds)
         if greedy_only:
             token_ids = penalised.argmax(dim=-1)
         else:

@@ -20,6 +20,7 @@ nothing waits, decodes every running sequence. It is the baseline the serving be
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
 from operator import attrgetter
 
@@ -55,6 +56,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        """Running sequences in arrival order."""
         self.preemptions = 0
 
     def check_fits(self, seq: Sequence) -> None:
@@ -109,21 +111,16 @@ class Scheduler:
 
     def _run_running(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Schedule running sequences (decodes before unfinished prefills, oldest first); the budget left."""
-        decodes, prefills = [], []
-        for seq in self.running:
-            if len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed > 1:
-                prefills.append(seq)
-            else:
-                decodes.append(seq)
-        decodes.sort(key=_ARRIVAL)  # usually in order already: a linear pass
-        prefills.sort(key=_ARRIVAL)
+        lefts = [len(s.prompt_ids) + len(s.output_ids) - s.num_computed for s in self.running]  # arrival order
+        pairs = list(zip(self.running, lefts))  # a copy: preemption below edits self.running
+        if lefts and max(lefts) > 1:  # prefills under way go after every decode
+            pairs = [p for p in pairs if p[1] <= 1] + [p for p in pairs if p[1] > 1]
         blocks, block_size, running = self.blocks, self.blocks.block_size, SequenceStatus.RUNNING
-        for seq in decodes + prefills:
+        for seq, left in pairs:
             if budget == 0:
                 break
             if seq.status is not running:  # preempted earlier in this loop
                 continue
-            left = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed
             if left == 1 and seq.num_computed < len(seq.block_table) * block_size:  # a decode with room
                 chunk = seq.decode_chunk
                 if chunk is None:
@@ -163,7 +160,7 @@ class Scheduler:
                 self.blocks.count_lookup(len(seq.prompt_ids), seq.cached_prompt_tokens)
             self.waiting.popleft()
             seq.status, seq.scheduled_once = SequenceStatus.RUNNING, True
-            self.running.append(seq)
+            insort(self.running, seq, key=_ARRIVAL)  # a recomputation may be older than sequences running
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
 
