@@ -110,3 +110,27 @@ def test_outputs_without_detokenization_carry_the_same_tokens_and_no_text():
     assert [o.finish_reason for s in steps for o in s if o.finished] == ["length"] * 3
     with pytest.raises(ConfigError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False).check()
+
+
+def test_a_shared_decode_cache_gives_the_same_deltas():
+    from fourfold.infer.detokenizer import IncrementalDetokenizer
+    from fourfold.tokenizer import ByteTokenizer
+
+    rng = random.Random(2)
+    texts = ["añb€c d", "xé!yz 日本語", "plain ascii text"]
+    cache = {}
+    for text in texts * 2:
+        data = list(text.encode("utf-8")) + [rng.randrange(256) for _ in range(8)]  # some invalid bytes too
+        stop = [text[2:4]] if rng.random() < 0.5 else []
+        runs = []
+        for shared in (None, cache):
+            detok, deltas = IncrementalDetokenizer(ByteTokenizer(), stop, shared), []
+            for b in data:
+                stopped = detok.add(b)
+                deltas.append(detok.delta(finished=stopped))
+                if stopped:
+                    break
+            detok.flush()
+            runs.append((deltas, detok.delta(finished=True)))
+        assert runs[0] == runs[1]
+    assert cache  # it was used

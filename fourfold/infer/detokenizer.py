@@ -2,7 +2,9 @@
 
 Each step decodes only a short window of the newest tokens (the text of ids[prefix:] minus the text of
 ids[prefix:read]), so cost does not grow with the output length, and a byte sequence split across
-tokens (an incomplete UTF-8 character decodes to U+FFFD) waits for the token that completes it.
+tokens (an incomplete UTF-8 character decodes to U+FFFD) waits for the token that completes it. While
+decoding runs steadily the windows hold one or two ids, so an engine shares a cache of their text
+across requests (a decode is a pure function of the ids) and most tokens cost two dictionary lookups.
 While the request runs, the last len(longest stop string) - 1 characters are held back, so text that
 could still turn into a stop string is never sent: when a stop string appears, the output is cut just
 before it and nothing after it was ever emitted.
@@ -11,13 +13,19 @@ before it and nothing after it was ever emitted.
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
+SHORT_WINDOW = 2
+"""Windows of at most this many ids are looked up in the shared decode cache (a decode is a pure function)."""
+CACHE_LIMIT = 1 << 16
+"""Entries the shared cache holds before it is emptied and refilled."""
 
 
 class IncrementalDetokenizer:
     """Per-request detokenization state: the text so far and how much of it has been emitted."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], cache: dict | None = None):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.cache = cache
+        """Decoded text of short id windows, shared by every request of one engine (None: always decode)."""
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self.prefix = self.read = 0
@@ -28,8 +36,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> bool:
         """Append one generated token; True when a stop string appeared (the text is then cut before it)."""
         self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
         if after.endswith(REPLACEMENT):
             return False  # wait for the rest of a multi-byte character
         new = after[len(before):]
@@ -44,6 +52,18 @@ class IncrementalDetokenizer:
                 self.stopped = True
                 return True
         return False
+
+    def _decode(self, window: list[int]) -> str:
+        """tokenizer.decode(window), from the shared cache for short windows (steady decoding: one or two ids)."""
+        if self.cache is None or len(window) > SHORT_WINDOW:
+            return self.tokenizer.decode(window)
+        key = tuple(window)
+        text = self.cache.get(key)
+        if text is None:
+            if len(self.cache) >= CACHE_LIMIT:
+                self.cache.clear()
+            text = self.cache[key] = self.tokenizer.decode(window)
+        return text
 
     def flush(self) -> None:
         """At the end: add the text of tokens still waiting for a character's last byte (unless a stop string cut it)."""

@@ -90,6 +90,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
+        self._decode_cache: dict = {}  # text of short id windows, shared by the requests' detokenizers
         self.prompt_tokens = self.generation_tokens = 0
         self.overlap = cfg.overlap_steps and runner.device.type == "cuda"
         self.look_aheads = 0  # steps launched before the previous step's tokens were read
@@ -129,7 +130,8 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         seq = Sequence(request_id, ids, params, next(self._arrivals))
         self.scheduler.add(seq)
-        self.requests[request_id] = RequestState(seq, self.tokenizer, self.eos_id, self.max_model_len, time.monotonic())
+        self.requests[request_id] = RequestState(seq, self.tokenizer, self.eos_id, self.max_model_len, time.monotonic(),
+                                                 self._decode_cache)
         self.prompt_tokens += len(ids)
 
     def abort_request(self, request_id: str) -> None:

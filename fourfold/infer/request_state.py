@@ -21,10 +21,11 @@ class RequestState:
 
     __slots__ = ("seq", "detok", "stop_ids", "stop_strings", "last_slot", "arrival_time", "last_token_time")
 
-    def __init__(self, seq: Sequence, tokenizer, eos_id: int | None, max_model_len: int, arrival_time: float):
+    def __init__(self, seq: Sequence, tokenizer, eos_id: int | None, max_model_len: int, arrival_time: float,
+                 decode_cache: dict | None = None):
         p = seq.params
         self.seq = seq
-        self.detok = IncrementalDetokenizer(tokenizer, p.stop) if p.detokenize else None
+        self.detok = IncrementalDetokenizer(tokenizer, p.stop, decode_cache) if p.detokenize else None
         stop_ids = set(p.stop_token_ids)
         if eos_id is not None and not p.ignore_eos:
             stop_ids.add(eos_id)
