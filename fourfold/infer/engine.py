@@ -157,7 +157,7 @@ class LLMEngine:
         if not self.overlap:
             launched = self._launch()
             if launched is not None:
-                outputs += build_outputs(*self._read(launched))
+                outputs += self.read_outputs(launched)
             return outputs
         previous, self._pending = self._pending, None
         if previous is not None and self.cfg.look_ahead and self._can_look_ahead(previous):
@@ -236,6 +236,11 @@ class LLMEngine:
         applied = apply_tokens(reqs, slots, host.tolist(), logprobs, self._finish)
         self.generation_tokens += len(applied)
         return applied, time.monotonic()
+
+    def read_outputs(self, launched: tuple) -> list[RequestOutput]:
+        """`_read` then `build_outputs`: a launched step's RequestOutputs (other schedulers of steps use it;
+        launched = (request states, output slots, ids, logprobs, host ids, event or None))."""
+        return build_outputs(*self._read(launched))
 
     def _finish(self, req: RequestState, reason: str, slot: int) -> None:
         """End a request whose token at output `slot` met a stop condition."""
