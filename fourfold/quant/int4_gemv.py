@@ -1,0 +1,122 @@
+"""Triton int4 weight-only GEMV for few-token steps, reading the stored nibbles directly (no repacking).
+
+    y = int4_gemv(x, weight_int4, scales, zero_points, group_size, bias)       # x (M, K), M small; y (M, N)
+    act = int4_gemv(x, ..., gated=True)     # silu(x @ gate.T) * (x @ up.T) for rows stacked [gate | up]
+
+Weights in fourfold.quant.packing's stored layout: uint8 [N, K/2] holding u = q + 8 (element 2j in the high
+nibble, 2j+1 in the low one), scales [N, K/G] (bf16 or fp32), int8 zero points [N, K/G]; the weight is
+(u - 8 - z) * s, so per group  sum_k w_k x_k = s * (sum_k (u_k - 8) x_k - z * sum_k x_k),  which lets a program
+multiply raw nibbles and apply scale and zero point once per group. One program owns BLOCK_N output rows
+and one token row; it walks GPI groups at a time (16-byte loads of packed bytes, 4x fewer bytes than bf16),
+accumulating in float32. Token rows of one weight tile are adjacent in the grid, so the packed tile comes
+from HBM once and from L2 for the other rows. Symmetric and asymmetric schemes run the same code (zero
+points 0 for symmetric). The grid depends only on shapes, so the call can be captured in a CUDA graph.
+torch's `_weight_int4pack_mm` ran a 5632->2048 batch-1 linear slower than bf16 on an H200 (0.82x); this
+kernel is what makes the converted model's decode faster than bf16 (bench/gemv_check.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the int4 modules use torch's CPU kernel
+    triton = None
+
+MAX_ROWS = 8
+"""Up to this many token rows (on CUDA) use this kernel; more use torch's tile-packed `_weight_int4pack_mm`."""
+
+if triton is not None:
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, stride_xm, stride_pn,
+                          stride_sn, stride_om, up_offset,
+                          N_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                          G: tl.constexpr, GPI: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+        m, pid_n = tl.program_id(0), tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        gi = tl.arange(0, GPI)
+        j = tl.arange(0, G // 2)
+        acc = tl.zeros([BLOCK_N, GPI], dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros([BLOCK_N, GPI], dtype=tl.float32)
+        for step in range((N_GROUPS + GPI - 1) // GPI):  # constexpr trip count (also in the interpreter)
+            grp = step * GPI + gi
+            g_ok = grp < N_GROUPS
+            k_even = grp[:, None] * G + 2 * j[None, :]                        # (GPI, G/2)
+            xe = tl.load(x_ptr + m * stride_xm + k_even, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + m * stride_xm + k_even + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            xsum = tl.sum(xe + xo, axis=1)                                    # (GPI,)
+            byte = grp[:, None] * (G // 2) + j[None, :]
+            mask3 = row_ok[:, None, None] & g_ok[None, :, None]
+            mask2 = row_ok[:, None] & g_ok[None, :]
+            p = tl.load(p_ptr + rows64[:, None, None] * stride_pn + byte[None, :, :], mask=mask3, other=0x88)
+            hi = (p >> 4).to(tl.float32) - 8.0
+            lo = (p & 0xF).to(tl.float32) - 8.0
+            dot = tl.sum(hi * xe[None, :, :] + lo * xo[None, :, :], axis=2)     # (BLOCK_N, GPI)
+            sz = rows64[:, None] * stride_sn + grp[None, :]
+            s = tl.load(s_ptr + sz, mask=mask2, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=mask2, other=0).to(tl.float32)
+            acc += s * (dot - z * xsum[None, :])
+            if GATED:
+                up_rows = rows64 + up_offset
+                p = tl.load(p_ptr + up_rows[:, None, None] * stride_pn + byte[None, :, :], mask=mask3, other=0x88)
+                hi = (p >> 4).to(tl.float32) - 8.0
+                lo = (p & 0xF).to(tl.float32) - 8.0
+                dot = tl.sum(hi * xe[None, :, :] + lo * xo[None, :, :], axis=2)
+                sz = up_rows[:, None] * stride_sn + grp[None, :]
+                s = tl.load(s_ptr + sz, mask=mask2, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + sz, mask=mask2, other=0).to(tl.float32)
+                acc_up += s * (dot - z * xsum[None, :])
+        y = tl.sum(acc, axis=1)
+        out_ty = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if GATED:  # rounded where the eager SwiGLU rounds: each matmul output, silu, the product
+            up = tl.sum(acc_up, axis=1)
+            if HAS_BIAS:
+                up = up + tl.load(b_ptr + up_offset + rows, mask=row_ok, other=0.0).to(tl.float32)
+            g = y.to(out_ty).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+            y = act * up.to(out_ty).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + rows, y.to(out_ty), mask=row_ok)
+
+
+def available() -> bool:
+    """Whether Triton imported, so `int4_gemv` can run (on CUDA tensors, or under TRITON_INTERPRET=1)."""
+    return triton is not None
+
+
+def _config(n: int, group_size: int) -> tuple[int, int, int]:
+    """(BLOCK_N, groups per iteration, num_warps): about 1 KB of packed weight per row per iteration."""
+    gpi = max(1, 512 // group_size)
+    block_n = 8 if n <= 4096 else 16
+    return block_n, gpi, 4
+
+
+def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+              group_size: int, bias: torch.Tensor | None = None, gated: bool = False,
+              config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x (.., K) @ dequant(W).T + bias in x's dtype; `gated`: silu(first half) * second half of the rows."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows, n_total = x2.shape[0], weight_int4.shape[0]
+    n = n_total // 2 if gated else n_total
+    assert weight_int4.shape[1] * 2 == k and k % group_size == 0 and scales.shape == zero_points.shape
+    assert scales.stride() == zero_points.stride() and weight_int4.stride(-1) == 1
+    block_n, gpi, warps = config or _config(n, group_size)
+    out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    grid = (rows, triton.cdiv(n, block_n))
+    _int4_gemv_kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, n,
+                            x2.stride(0), weight_int4.stride(0), scales.stride(0), out.stride(0), n,
+                            N_GROUPS=k // group_size, HAS_BIAS=bias is not None, GATED=gated, G=group_size, GPI=gpi,
+                            BLOCK_N=block_n,
+                            num_warps=warps)
+    return out.reshape(*x.shape[:-1], n)
