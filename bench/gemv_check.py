@@ -152,7 +152,7 @@ def time_cases(results: list) -> None:
                 cublas = [lambda w=w: F.linear(x, w) for w in ws]
             ours = [lambda w=w: gemv_gpu.gemv_triton(x, w, gated=gated) for w in ws]
             mm = [lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], 128, t[1]) for t in tiled]
-            g4 = [lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated) for t in i4]
+            g4 = [lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated, asym=False) for t in i4]
             row = {"shape": name, "n": n, "k": k, "rows": m, "cublas_us": graph_us(cublas),
                    "gemv_us": graph_us(ours), "int4mm_us": graph_us(mm), "int4_gemv_us": graph_us(g4)}
             gb = n * k * 2 / 1e3
@@ -187,14 +187,14 @@ def sweep(results: list, deadline: float) -> None:
         del ws
         i4, i4_bytes = int4_weights(n, k)
         found = []
-        for bn in (4, 8, 16, 32):
-            for gpi in (2, 4, 8):
+        for bn in (2, 4, 8, 16):
+            for gpi in (1, 2, 4, 8):
                 for warps in (4, 8):
                     if time.time() > deadline:
                         break
                     cfg = (bn, gpi, warps)
-                    us = graph_us([lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated, config=cfg)
-                                   for t in i4])
+                    us = graph_us([lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated, config=cfg,
+                                                                   asym=False) for t in i4])
                     found.append((us, cfg))
         found.sort()
         results.append({"sweep": "int4-g128", "shape": name, "best": found[:5]})

@@ -149,7 +149,14 @@ def build_llm(args, quant: str | None = None, **config):
 
 
 def run_fourfold(args, quant: str | None = None) -> None:
+    from fourfold.infer import gemv_gpu
+    from fourfold.quant import int4_gemv
+
     variant = f"fourfold-{quant}" if quant else "fourfold"
+    if args.gemv_rows is not None:  # A/B switches: 0 sends every step to cuBLAS / torch's int4 kernel
+        gemv_gpu.MAX_ROWS = args.gemv_rows
+    if args.int4_gemv_rows is not None:
+        int4_gemv.MAX_ROWS = args.int4_gemv_rows
     llm = build_llm(args, quant, fused_decoder=not args.no_fused, overlap_steps=not args.no_overlap,
                     look_ahead=not args.no_look_ahead)
     path = wire_decode_graphs(llm, args)
@@ -372,6 +379,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget-s", type=float, default=480, help="total wall time for all variants")
     ap.add_argument("--bandwidth", type=float, default=4.26e12, help="GPU memory bandwidth, bytes/s (H200)")
+    ap.add_argument("--gemv-rows", type=int, default=None, help="fourfold: Triton bf16 GEMV up to this many "
+                    "tokens (default: fourfold.infer.gemv_gpu.MAX_ROWS; 0: cuBLAS only)")
+    ap.add_argument("--int4-gemv-rows", type=int, default=None, help="fourfold-quant: Triton int4 GEMV up to this "
+                    "many tokens (default: fourfold.quant.int4_gemv.MAX_ROWS; 0: torch's _weight_int4pack_mm only)")
     ap.add_argument("--quant", default="int4-g128", help="scheme of the fourfold-quant variant (fourfold.quant)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -71,7 +71,7 @@ def test_int4_gemv_matches_dequantized_float64(gated, rows, group, gpi, symmetri
     w = (q.double() - zeros.double().repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
     b = torch.randn(q.shape[0])
     dev = [t.to(DEVICE) for t in (pack_int4(q + 8), scales, zeros, b)]
-    y = int4_gemv.int4_gemv(x, *dev[:3], group, dev[3], gated=gated, config=(8, gpi, 4))
+    y = int4_gemv.int4_gemv(x, *dev[:3], group, dev[3], gated=gated, config=(8, gpi, 4), asym=not symmetric)
     assert y.shape == (rows, n)
     torch.testing.assert_close(y.double().cpu(), _reference(x.cpu(), w, b, gated), rtol=1e-5, atol=1e-3)
 

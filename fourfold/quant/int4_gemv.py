@@ -33,7 +33,7 @@ if triton is not None:
     @triton.jit
     def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, stride_xm, stride_pn,
                           stride_sn, stride_om, up_offset,
-                          N_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                          N_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr,
                           G: tl.constexpr, GPI: tl.constexpr,
                           BLOCK_N: tl.constexpr):
         m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -43,36 +43,36 @@ if triton is not None:
         gi = tl.arange(0, GPI)
         j = tl.arange(0, G // 2)
         acc = tl.zeros([BLOCK_N, GPI], dtype=tl.float32)
-        if GATED:
-            acc_up = tl.zeros([BLOCK_N, GPI], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, GPI], dtype=tl.float32)
+        pair = tl.arange(0, 2)
         for step in range((N_GROUPS + GPI - 1) // GPI):  # constexpr trip count (also in the interpreter)
             grp = step * GPI + gi
             g_ok = grp < N_GROUPS
-            k_even = grp[:, None] * G + 2 * j[None, :]                        # (GPI, G/2)
-            xe = tl.load(x_ptr + m * stride_xm + k_even, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + m * stride_xm + k_even + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            xsum = tl.sum(xe + xo, axis=1)                                    # (GPI,)
+            # x as (GPI, G/2, 2) contiguous pairs, split into the elements of the high and low nibbles
+            k_pair = grp[:, None, None] * G + 2 * j[None, :, None] + pair[None, None, :]
+            xv = tl.load(x_ptr + m * stride_xm + k_pair, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+            xe, xo = tl.split(xv)
             byte = grp[:, None] * (G // 2) + j[None, :]
             mask3 = row_ok[:, None, None] & g_ok[None, :, None]
             mask2 = row_ok[:, None] & g_ok[None, :]
-            p = tl.load(p_ptr + rows64[:, None, None] * stride_pn + byte[None, :, :], mask=mask3, other=0x88)
-            hi = (p >> 4).to(tl.float32) - 8.0
-            lo = (p & 0xF).to(tl.float32) - 8.0
-            dot = tl.sum(hi * xe[None, :, :] + lo * xo[None, :, :], axis=2)     # (BLOCK_N, GPI)
-            sz = rows64[:, None] * stride_sn + grp[None, :]
-            s = tl.load(s_ptr + sz, mask=mask2, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + sz, mask=mask2, other=0).to(tl.float32)
-            acc += s * (dot - z * xsum[None, :])
-            if GATED:
-                up_rows = rows64 + up_offset
-                p = tl.load(p_ptr + up_rows[:, None, None] * stride_pn + byte[None, :, :], mask=mask3, other=0x88)
-                hi = (p >> 4).to(tl.float32) - 8.0
-                lo = (p & 0xF).to(tl.float32) - 8.0
-                dot = tl.sum(hi * xe[None, :, :] + lo * xo[None, :, :], axis=2)
-                sz = up_rows[:, None] * stride_sn + grp[None, :]
+            if ASYM:
+                xsum = tl.sum(xe + xo, axis=1)                                # (GPI,)
+            for half in tl.static_range(2 if GATED else 1):                   # gate rows, then up rows
+                r = rows64 + half * up_offset
+                p = tl.load(p_ptr + r[:, None, None] * stride_pn + byte[None, :, :], mask=mask3, other=0x88)
+                p = p.to(tl.int32)
+                # u - 8 exactly, without int->float conversions: the bits of 2^23 + u, minus 2^23 + 8
+                hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                dot = tl.sum(hi * xe[None, :, :] + lo * xo[None, :, :], axis=2)  # (BLOCK_N, GPI)
+                sz = r[:, None] * stride_sn + grp[None, :]
                 s = tl.load(s_ptr + sz, mask=mask2, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + sz, mask=mask2, other=0).to(tl.float32)
-                acc_up += s * (dot - z * xsum[None, :])
+                if ASYM:
+                    dot -= tl.load(z_ptr + sz, mask=mask2, other=0).to(tl.float32) * xsum[None, :]
+                if half == 0:
+                    acc += s * dot
+                else:
+                    acc_up += s * dot
         y = tl.sum(acc, axis=1)
         out_ty = out_ptr.dtype.element_ty
         if HAS_BIAS:
@@ -101,8 +101,9 @@ def _config(n: int, group_size: int) -> tuple[int, int, int]:
 
 def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
               group_size: int, bias: torch.Tensor | None = None, gated: bool = False,
-              config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x (.., K) @ dequant(W).T + bias in x's dtype; `gated`: silu(first half) * second half of the rows."""
+              config: tuple[int, int, int] | None = None, asym: bool = True) -> torch.Tensor:
+    """x (.., K) @ dequant(W).T + bias in x's dtype; `gated`: silu(first half) * second half of the rows.
+    `asym=False` skips the zero points (all zero: symmetric schemes)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -116,7 +117,7 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     grid = (rows, triton.cdiv(n, block_n))
     _int4_gemv_kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, n,
                             x2.stride(0), weight_int4.stride(0), scales.stride(0), out.stride(0), n,
-                            N_GROUPS=k // group_size, HAS_BIAS=bias is not None, GATED=gated, G=group_size, GPI=gpi,
+                            N_GROUPS=k // group_size, HAS_BIAS=bias is not None, GATED=gated, ASYM=asym, G=group_size, GPI=gpi,
                             BLOCK_N=block_n,
                             num_warps=warps)
     return out.reshape(*x.shape[:-1], n)

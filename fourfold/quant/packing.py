@@ -129,7 +129,7 @@ class Int4WeightLinear(nn.Module):
             x = fake_quantize_activation(x)
         if self.uses_gemv(x):
             return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size,
-                                  self.bias, gated=gated)
+                                  self.bias, gated=gated, asym=not self.scheme.symmetric)
         if gated:
             raise ValueError("gated int4 linears run only on the GEMV path (see uses_gemv)")
         out_dtype = x.dtype
