@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fourfold.infer.attention_gpu import triton
+from fourfold.infer.attention_gpu import pdl, triton
 from fourfold.infer.fused_ops import silu_mul
 
 MAX_ROWS = 4
@@ -29,20 +29,29 @@ MAX_ROWS = 4
 if triton is not None:
     import triton.language as tl
 
+    from fourfold.infer.attention_gpu import pdl_signal, pdl_wait
+
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xm, stride_wn, stride_om, up_offset,
                      K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_signal(PDL)
         m, pid_n = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        u_rows = w_rows + up_offset * stride_wn
+        # the first weight tile does not depend on the previous kernel: load it before waiting for that one
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
         if GATED:
-            u_rows = w_rows + up_offset * stride_wn
-            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for step in range(K // BLOCK_K + (0 if EVEN_K else 1)):  # constexpr trip count (also in the interpreter)
+            u = tl.load(u_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+        pdl_wait(PDL)
+        xk = tl.load(x_ptr + m * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+        acc = w.to(tl.float32) * xk[None, :]
+        if GATED:
+            acc_up = u.to(tl.float32) * xk[None, :]
+        for step in range(1, K // BLOCK_K + (0 if EVEN_K else 1)):  # constexpr trip count (also in the interpreter)
             k = step * BLOCK_K + cols
             if EVEN_K:
                 xk = tl.load(x_ptr + m * stride_xm + k).to(tl.float32)
@@ -101,7 +110,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     grid = (rows, triton.cdiv(n, block_n))
     _gemv_kernel[grid](x2, weight, bias if bias is not None else weight, out, n, x2.stride(0), weight.stride(0),
                        out.stride(0), n, K=k, HAS_BIAS=bias is not None, GATED=gated, EVEN_K=k % block_k == 0,
-                       BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                       BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(x.device), num_warps=warps,
+                       launch_pdl=pdl(x.device))
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -17,11 +17,14 @@ kernel is what makes the converted model's decode faster than bf16 (bench/gemv_c
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU installs: the int4 modules use torch's CPU kernel
     triton = None
 
@@ -31,11 +34,18 @@ MAX_ROWS = 8
 if triton is not None:
 
     @triton.jit
+    def _pdl_start(PDL: tl.constexpr):
+        if PDL:  # let the next kernel launch; wait for the previous one (see _pdl)
+            gdc_launch_dependents()
+            gdc_wait()
+
+    @triton.jit
     def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, stride_xm, stride_pn,
                           stride_sn, stride_om, up_offset,
                           N_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr,
                           G: tl.constexpr, GPI: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        _pdl_start(PDL)
         m, pid_n = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
@@ -87,16 +97,24 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ty), mask=row_ok)
 
 
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch on Hopper+ (as fourfold.infer.attention_gpu.pdl: the kernel waits for the
+    previous one before reading anything, so launch latency overlaps it); off under TRITON_INTERPRET or FOURFOLD_PDL=0."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FOURFOLD_PDL") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def available() -> bool:
     """Whether Triton imported, so `int4_gemv` can run (on CUDA tensors, or under TRITON_INTERPRET=1)."""
     return triton is not None
 
 
 def _config(n: int, group_size: int) -> tuple[int, int, int]:
-    """(BLOCK_N, groups per iteration, num_warps): about 1 KB of packed weight per row per iteration."""
-    gpi = max(1, 512 // group_size)
-    block_n = 8 if n <= 4096 else 16
-    return block_n, gpi, 4
+    """(BLOCK_N, groups per iteration, num_warps): the best of bench/gemv_check.py's sweep on an H200 at one row
+    (group 128: 4 rows x 8 groups, 8 warps for the 2048-row matrices; 8 rows x 8 groups, 4 warps for gate|up)."""
+    gpi = max(1, 1024 // group_size)
+    return (4, gpi, 8) if n <= 4096 else (8, gpi, 4)
 
 
 def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
@@ -118,6 +136,5 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     _int4_gemv_kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, n,
                             x2.stride(0), weight_int4.stride(0), scales.stride(0), out.stride(0), n,
                             N_GROUPS=k // group_size, HAS_BIAS=bias is not None, GATED=gated, ASYM=asym, G=group_size, GPI=gpi,
-                            BLOCK_N=block_n,
-                            num_warps=warps)
+                            BLOCK_N=block_n, PDL=_pdl(x.device), num_warps=warps, launch_pdl=_pdl(x.device))
     return out.reshape(*x.shape[:-1], n)
