@@ -138,7 +138,8 @@ def int4_weights(n, k, group=128):
 
 def time_cases(results: list) -> None:
     print(f"\n{'shape':8s} {'rows':>4s} | {'cuBLAS us':>9s} {'GB/s':>6s} | {'gemv us':>8s} {'GB/s':>6s} | "
-          f"{'int4mm us':>9s} | {'int4 gemv':>9s} {'GB/s':>6s} | gemv/cuBLAS int4gemv/cuBLAS")
+          f"{'int4mm us':>9s} | {'int4 gemv':>9s} {'GB/s':>6s} | {'halves':>7s} {'GB/s':>6s} | gemv/cuBLAS "
+          f"halves/cuBLAS")
     for name, (n, k) in SHAPES.items():
         gated = name == "gate_up"
         ws = bf16_weights(n, k)
@@ -153,51 +154,56 @@ def time_cases(results: list) -> None:
             ours = [lambda w=w: gemv_gpu.gemv_triton(x, w, gated=gated) for w in ws]
             mm = [lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], 128, t[1]) for t in tiled]
             g4 = [lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated, asym=False) for t in i4]
+            g4h = [lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated, asym=False, halves=True)
+                   for t in i4]
             row = {"shape": name, "n": n, "k": k, "rows": m, "cublas_us": graph_us(cublas),
-                   "gemv_us": graph_us(ours), "int4mm_us": graph_us(mm), "int4_gemv_us": graph_us(g4)}
+                   "gemv_us": graph_us(ours), "int4mm_us": graph_us(mm), "int4_gemv_us": graph_us(g4),
+                   "int4_halves_us": graph_us(g4h)}
             gb = n * k * 2 / 1e3
             print(f"{name:8s} {m:4d} | {row['cublas_us']:9.2f} {gb / row['cublas_us']:6.0f} | {row['gemv_us']:8.2f} "
                   f"{gb / row['gemv_us']:6.0f} | {row['int4mm_us']:9.2f} | {row['int4_gemv_us']:9.2f} "
-                  f"{i4_bytes / 1e3 / row['int4_gemv_us']:6.0f} | {row['cublas_us'] / row['gemv_us']:6.2f}x "
-                  f"{row['cublas_us'] / row['int4_gemv_us']:6.2f}x")
+                  f"{i4_bytes / 1e3 / row['int4_gemv_us']:6.0f} | {row['int4_halves_us']:7.2f} "
+                  f"{i4_bytes / 1e3 / row['int4_halves_us']:6.0f} | {row['cublas_us'] / row['gemv_us']:6.2f}x "
+                  f"{row['cublas_us'] / row['int4_halves_us']:6.2f}x")
             results.append(row)
         del ws, i4, tiled
         torch.cuda.empty_cache()
 
 
-def sweep(results: list, deadline: float) -> None:
+def sweep(results: list, deadline: float, bf16: bool) -> None:
     for name, (n, k) in SHAPES.items():
         gated = name == "gate_up"
         x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
-        ws = bf16_weights(n, k)
+        ws = bf16_weights(n, k) if bf16 else []
         found = []
         for bn in (2, 4, 8, 16):
             for bk in (256, 512, 1024):
                 for warps in (4, 8):
-                    if time.time() > deadline:
+                    if time.time() > deadline or not bf16:
                         break
                     cfg = (bn, bk, warps)
                     us = graph_us([lambda w=w: gemv_gpu.gemv_triton(x, w, gated=gated, config=cfg) for w in ws])
                     found.append((us, cfg))
         found.sort()
-        results.append({"sweep": "bf16", "shape": name, "best": found[:5], "default": gemv_gpu._config(n // (
-            2 if gated else 1), k)})
-        print(f"sweep bf16 {name:8s}: " + ", ".join(f"{c} {u:.2f}us" for u, c in found[:4])
-              + f" | {n * k * 2 / 1e3 / found[0][0]:.0f} GB/s" if found else "")
+        if bf16:
+            results.append({"sweep": "bf16", "shape": name, "best": found[:5],
+                            "default": gemv_gpu._config(n // (2 if gated else 1), k)})
+            print(f"sweep bf16 {name:8s}: " + ", ".join(f"{c} {u:.2f}us" for u, c in found[:4])
+                  + f" | {n * k * 2 / 1e3 / found[0][0]:.0f} GB/s" if found else "")
         del ws
         i4, i4_bytes = int4_weights(n, k)
         found = []
         for bn in (2, 4, 8, 16):
             for gpi in (1, 2, 4, 8):
-                for warps in (4, 8):
-                    if time.time() > deadline:
-                        break
+                for warps in (2, 4, 8):
+                    if time.time() > deadline or (k // 128) % gpi:
+                        continue
                     cfg = (bn, gpi, warps)
                     us = graph_us([lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated, config=cfg,
-                                                                   asym=False) for t in i4])
+                                                                   asym=False, halves=True) for t in i4])
                     found.append((us, cfg))
         found.sort()
-        results.append({"sweep": "int4-g128", "shape": name, "best": found[:5]})
+        results.append({"sweep": "int4-g128-halves", "shape": name, "best": found[:5]})
         print(f"sweep int4 {name:8s}: " + ", ".join(f"{c} {u:.2f}us" for u, c in found[:4])
               + f" | {i4_bytes / 1e3 / found[0][0]:.0f} GB/s" if found else "")
         del i4
@@ -207,7 +213,8 @@ def sweep(results: list, deadline: float) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/gemv-check")
-    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="sweep both kernels' tile configs")
+    p.add_argument("--sweep-int4", action="store_true", help="sweep the int4 (halves layout) kernel's only")
     p.add_argument("--no-timing", action="store_true")
     p.add_argument("--budget-s", type=float, default=200, help="stop the sweep after this many seconds in all")
     a = p.parse_args()
@@ -223,8 +230,8 @@ def main() -> int:
     if not a.no_timing:
         time_cases(timing)
     print(f"timing done ({time.time() - start:.0f}s)")
-    if a.sweep:
-        sweep(sweeps, start + a.budget_s)
+    if a.sweep or a.sweep_int4:
+        sweep(sweeps, start + a.budget_s, bf16=a.sweep)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemv_check.json").write_text(json.dumps({"torch": torch.__version__,

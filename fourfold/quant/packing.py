@@ -98,6 +98,7 @@ class Int4WeightLinear(nn.Module):
         self.register_buffer("zero_points", torch.zeros(out_features, groups, dtype=torch.int8))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self._kernel_cache: dict = {}
+        self._gemv_cache: dict = {}
 
     @classmethod
     def from_float(cls, linear: nn.Linear, scheme: QuantScheme, name: str = "linear") -> "Int4WeightLinear":
@@ -118,6 +119,13 @@ class Int4WeightLinear(nn.Module):
                                         scales_and_zeros(self.scales, self.zero_points, x.dtype).to(x.device))}
         return self._kernel_cache[key]
 
+    def _gemv_weight(self) -> torch.Tensor:
+        """The nibbles in int4_gemv.halves_layout, made once per weight tensor (like the tiled copy for torch's mm)."""
+        key = (self.weight_int4.data_ptr(), self.weight_int4.device)
+        if key not in self._gemv_cache:
+            self._gemv_cache = {key: gemv.halves_layout(self.weight_int4, self.scheme.group_size)}
+        return self._gemv_cache[key]
+
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether x (.., K) runs the Triton int4 GEMV (CUDA, at most int4_gemv.MAX_ROWS rows) rather than torch's mm."""
         rows = x.numel() // self.in_features if self.in_features else 0
@@ -128,8 +136,8 @@ class Int4WeightLinear(nn.Module):
         if self.scheme.activation != "none":
             x = fake_quantize_activation(x)
         if self.uses_gemv(x):
-            return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size,
-                                  self.bias, gated=gated, asym=not self.scheme.symmetric)
+            return gemv.int4_gemv(x, self._gemv_weight(), self.scales, self.zero_points, self.scheme.group_size,
+                                  self.bias, gated=gated, asym=not self.scheme.symmetric, halves=True)
         if gated:
             raise ValueError("gated int4 linears run only on the GEMV path (see uses_gemv)")
         out_dtype = x.dtype
