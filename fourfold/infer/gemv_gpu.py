@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from fourfold.infer.attention_gpu import pdl, triton
 from fourfold.infer.fused_ops import silu_mul
 
-MAX_ROWS = 4
-"""Up to this many token rows use the Triton GEMV; more go to cuBLAS (crossover measured by bench/gemv_check.py)."""
+MAX_ROWS = 2
+"""Up to this many token rows use the Triton GEMV; more go to cuBLAS (bench/gemv_check.py on an H200: at 2 rows
+it still beats cuBLAS on q|k|v, o and gate|up, at 4 on none; each row costs about what one row does)."""
 
 if triton is not None:
     import triton.language as tl
