@@ -11,7 +11,8 @@ add+RMSNorm, gate|up matmul, SiLU*mul, down matmul (fourfold.infer.fused_ops: on
 CUDA), instead of about thirty small eager kernels. On CUDA, steps of few tokens (decode) run the matmuls
 as Triton GEMVs (fourfold.infer.gemv_gpu), the gate|up one with SiLU*mul in its epilogue; the output head
 too. Converted int4 models (fourfold.quant Int4WeightLinear in every block linear) fuse the same way, their
-packed nibbles, scales and zero points stacked by rows, and run fourfold.quant.int4_gemv for few tokens.
+packed nibbles, scales and zero points stacked by rows, and run the module's own kernels (torch's int4 mm,
+or fourfold.quant.int4_gemv with SiLU*mul fused where its MAX_ROWS allows).
 Tensor-parallel (DTensor weights) and pipeline-stage models are left alone (`from_model` returns None)
 and run the model's own forward.
 """

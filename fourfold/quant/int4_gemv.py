@@ -9,10 +9,13 @@ nibble, 2j+1 in the low one), scales [N, K/G] (bf16 or fp32), int8 zero points [
 multiply raw nibbles and apply scale and zero point once per group. One program owns BLOCK_N output rows
 and one token row; it walks GPI groups at a time (16-byte loads of packed bytes, 4x fewer bytes than bf16),
 accumulating in float32. Token rows of one weight tile are adjacent in the grid, so the packed tile comes
-from HBM once and from L2 for the other rows. Symmetric and asymmetric schemes run the same code (zero
-points 0 for symmetric). The grid depends only on shapes, so the call can be captured in a CUDA graph.
-torch's `_weight_int4pack_mm` ran a 5632->2048 batch-1 linear slower than bf16 on an H200 (0.82x); this
-kernel is what makes the converted model's decode faster than bf16 (bench/gemv_check.py).
+from HBM once and from L2 for the other rows. Asymmetric schemes subtract z * sum(x) per group; symmetric
+ones skip it. Nibbles become floats through their bits (2^23 + u, minus 2^23 + 8), not int->float
+conversions. The grid depends only on shapes, so the call can be captured in a CUDA graph; on Hopper it
+launches with programmatic dependent launch like fourfold.infer.gemv_gpu.
+Status (H200, bench/gemv_check.py): correct for every scheme, but instruction-bound at 0.5-1.3 TB/s of
+packed bytes, slower than torch's `_weight_int4pack_mm` in CUDA graphs at one row, so MAX_ROWS is 0 and
+it is not on the decode path; kept for the gated (SiLU*mul) form and as the base for a faster one.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ try:
 except ImportError:  # CPU installs: the int4 modules use torch's CPU kernel
     triton = None
 
-MAX_ROWS = 1
-"""Up to this many token rows (on CUDA) use this kernel; more use torch's tile-packed `_weight_int4pack_mm`."""
+MAX_ROWS = 0
+"""Up to this many token rows (on CUDA) use this kernel; more use torch's tile-packed `_weight_int4pack_mm`.
+0 (off): on an H200 inside CUDA graphs torch's kernel was faster at every llama-1b shape (bench/gemv_check.py:
+q|k|v 4.0 vs 5.5 us, down 6.6 vs 10.7 us at one row), so the converted model decodes through it."""
 
 if triton is not None:
 
@@ -97,65 +102,6 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ty), mask=row_ok)
 
 
-    @triton.jit
-    def _int4_gemv_halves_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, stride_xm, stride_pn,
-                                 stride_sn, stride_om, up_offset,
-                                 N_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                                 ASYM: tl.constexpr, G: tl.constexpr, GPI: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-        # weights in the halves layout (see halves_layout): byte j of a group holds elements j and G/2 + j
-        _pdl_start(PDL)
-        m, pid_n = tl.program_id(0), tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        rows64 = rows.to(tl.int64)
-        j = tl.arange(0, G // 2)
-        acc = tl.zeros([BLOCK_N, G // 2], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, G // 2], dtype=tl.float32)
-        for step in range(N_GROUPS // GPI):  # constexpr trip count (also in the interpreter)
-            for gg in tl.static_range(GPI):
-                grp = step * GPI + gg
-                xh = tl.load(x_ptr + m * stride_xm + grp * G + j).to(tl.float32)
-                xl = tl.load(x_ptr + m * stride_xm + grp * G + G // 2 + j).to(tl.float32)
-                for half in tl.static_range(2 if GATED else 1):                   # gate rows, then up rows
-                    r = rows64 + half * up_offset
-                    p = tl.load(p_ptr + r[:, None] * stride_pn + grp * (G // 2) + j[None, :], mask=row_ok[:, None],
-                                other=0x88).to(tl.int32)
-                    # u - 8 exactly, without int->float conversions: the bits of 2^23 + u, minus 2^23 + 8
-                    hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                    lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                    t = hi * xh[None, :] + lo * xl[None, :]
-                    if ASYM:
-                        z = tl.load(z_ptr + r * stride_sn + grp, mask=row_ok, other=0).to(tl.float32)
-                        t -= z[:, None] * (xh + xl)[None, :]
-                    sc = tl.load(s_ptr + r * stride_sn + grp, mask=row_ok, other=0.0).to(tl.float32)
-                    if half == 0:
-                        acc += t * sc[:, None]
-                    else:
-                        acc_up += t * sc[:, None]
-        y = tl.sum(acc, axis=1)
-        out_ty = out_ptr.dtype.element_ty
-        if HAS_BIAS:
-            y = y + tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        if GATED:
-            up = tl.sum(acc_up, axis=1)
-            if HAS_BIAS:
-                up = up + tl.load(b_ptr + up_offset + rows, mask=row_ok, other=0.0).to(tl.float32)
-            g = y.to(out_ty).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-            y = act * up.to(out_ty).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + rows, y.to(out_ty), mask=row_ok)
-
-
-def halves_layout(weight_int4: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The stored nibbles (element 2j high, 2j+1 low) regrouped so that byte j of each group holds elements j
-    (high) and G/2 + j (low): the GEMV then reads x in two contiguous halves per group."""
-    n, half_k = weight_int4.shape
-    u = torch.stack([weight_int4 >> 4, weight_int4 & 0xF], dim=-1).reshape(n, half_k * 2 // group_size, 2,
-                                                                           group_size // 2)
-    return ((u[:, :, 0] << 4) | u[:, :, 1]).reshape(n, half_k)
-
-
 def _pdl(device: torch.device) -> bool:
     """Programmatic dependent launch on Hopper+ (as fourfold.infer.attention_gpu.pdl: the kernel waits for the
     previous one before reading anything, so launch latency overlaps it); off under TRITON_INTERPRET or FOURFOLD_PDL=0."""
@@ -178,10 +124,9 @@ def _config(n: int, group_size: int) -> tuple[int, int, int]:
 
 def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
               group_size: int, bias: torch.Tensor | None = None, gated: bool = False,
-              config: tuple[int, int, int] | None = None, asym: bool = True, halves: bool = False) -> torch.Tensor:
+              config: tuple[int, int, int] | None = None, asym: bool = True) -> torch.Tensor:
     """x (.., K) @ dequant(W).T + bias in x's dtype; `gated`: silu(first half) * second half of the rows.
-    `asym=False` skips the zero points (all zero: symmetric schemes); `halves`: weight_int4 is in
-    halves_layout (the GPI of `config` must then divide the number of groups)."""
+    `asym=False` skips the zero points (all zero: symmetric schemes)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -193,13 +138,9 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     block_n, gpi, warps = config or _config(n, group_size)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     grid = (rows, triton.cdiv(n, block_n))
-    kernel = _int4_gemv_halves_kernel if halves else _int4_gemv_kernel
     groups = k // group_size
-    if halves and config is None:
-        gpi = next(g for g in (gpi, 8, 4, 2, 1) if groups % g == 0)
-    assert not halves or groups % gpi == 0, f"{gpi} groups per iteration must divide {groups}"
-    kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, n, x2.stride(0),
-                 weight_int4.stride(0), scales.stride(0), out.stride(0), n, N_GROUPS=groups,
-                 HAS_BIAS=bias is not None, GATED=gated, ASYM=asym, G=group_size, GPI=gpi, BLOCK_N=block_n,
-                 PDL=_pdl(x.device), num_warps=warps, launch_pdl=_pdl(x.device))
+    _int4_gemv_kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, n, x2.stride(0),
+                            weight_int4.stride(0), scales.stride(0), out.stride(0), n, N_GROUPS=groups,
+                            HAS_BIAS=bias is not None, GATED=gated, ASYM=asym, G=group_size, GPI=gpi,
+                            BLOCK_N=block_n, PDL=_pdl(x.device), num_warps=warps, launch_pdl=_pdl(x.device))
     return out.reshape(*x.shape[:-1], n)

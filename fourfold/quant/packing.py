@@ -21,8 +21,8 @@ computed during QAT, up to the kernels' float rounding. Layouts (checked on torc
 - int8: `_weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])` = x @ (w * scales).T, scales in
   x's dtype, CPU and CUDA; hence int8 schemes are symmetric.
 
-On CUDA, steps of at most int4_gemv.MAX_ROWS token rows (decode) run fourfold.quant.int4_gemv's Triton
-GEMV on the stored nibbles instead (torch's tiled kernel is slower than bf16 at batch 1).
+On CUDA, steps of at most int4_gemv.MAX_ROWS token rows can run fourfold.quant.int4_gemv's Triton GEMV on
+the stored nibbles instead (0 by default: torch's tiled kernel was faster in CUDA graphs on an H200).
 The 8da4w module fake-quantizes its input per token (int8, dynamic) before the int4-weight kernel: torch
 has no int8-activation x int4-weight kernel, so this reproduces the numbers, not the int8 speed-up.
 Plain torch rather than torchao: its int4 weight-only kernels need a package (mslk) that does not install.
@@ -98,7 +98,6 @@ class Int4WeightLinear(nn.Module):
         self.register_buffer("zero_points", torch.zeros(out_features, groups, dtype=torch.int8))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self._kernel_cache: dict = {}
-        self._gemv_cache: dict = {}
 
     @classmethod
     def from_float(cls, linear: nn.Linear, scheme: QuantScheme, name: str = "linear") -> "Int4WeightLinear":
@@ -119,13 +118,6 @@ class Int4WeightLinear(nn.Module):
                                         scales_and_zeros(self.scales, self.zero_points, x.dtype).to(x.device))}
         return self._kernel_cache[key]
 
-    def _gemv_weight(self) -> torch.Tensor:
-        """The nibbles in int4_gemv.halves_layout, made once per weight tensor (like the tiled copy for torch's mm)."""
-        key = (self.weight_int4.data_ptr(), self.weight_int4.device)
-        if key not in self._gemv_cache:
-            self._gemv_cache = {key: gemv.halves_layout(self.weight_int4, self.scheme.group_size)}
-        return self._gemv_cache[key]
-
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether x (.., K) runs the Triton int4 GEMV (CUDA, at most int4_gemv.MAX_ROWS rows) rather than torch's mm."""
         rows = x.numel() // self.in_features if self.in_features else 0
@@ -136,8 +128,8 @@ class Int4WeightLinear(nn.Module):
         if self.scheme.activation != "none":
             x = fake_quantize_activation(x)
         if self.uses_gemv(x):
-            return gemv.int4_gemv(x, self._gemv_weight(), self.scales, self.zero_points, self.scheme.group_size,
-                                  self.bias, gated=gated, asym=not self.scheme.symmetric, halves=True)
+            return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size,
+                                  self.bias, gated=gated, asym=not self.scheme.symmetric)
         if gated:
             raise ValueError("gated int4 linears run only on the GEMV path (see uses_gemv)")
         out_dtype = x.dtype
