@@ -95,7 +95,32 @@ def logits_check(model, prompts: list[list[int]]) -> dict:
                      "argmax_equal_fp32": int((got.argmax(-1) == ref.argmax(-1)).sum()), "of": len(prompts)}
     out["fp32_logit_std"] = ref.std().item()
     out["fused_vs_eager_max_abs"] = (fused - eager).abs().max().item()
+    for batch in sorted({1, len(prompts)}):  # the last prompt token as a decode step through the captured graphs
+        got = decode_step_logits(model, prompts[:batch])
+        out[f"decode_graph_b{batch}"] = {"max_abs_err_vs_fp32": (got - ref[:batch]).abs().max().item(),
+                                         "argmax_equal_fp32": int((got.argmax(-1) == ref[:batch].argmax(-1)).sum()),
+                                         "of": batch}
     return out
+
+
+def decode_step_logits(model, prompts: list[list[int]]) -> torch.Tensor:
+    """Logits of each prompt's last token run as one decode step (T == S) in a captured CUDA graph (the GEMV
+    kernels and programmatic dependent launch on the path), after the rest of the prompt was prefilled."""
+    cfg, dev = model.cfg, next(model.parameters()).device
+    bs = 16
+    per_seq = -(-len(prompts[0]) // bs)
+    pool = KVPool(cfg.n_layers, per_seq * len(prompts) + 1, bs, cfg.n_kv_heads, cfg.head_dim, torch.bfloat16, dev)
+    runner = ModelRunner(model, pool, dev, fuse=True)
+    runner.capture_decode_graphs(len(prompts), per_seq * bs)
+    seqs = [Sequence(str(i), p, SamplingParams(max_tokens=1), i) for i, p in enumerate(prompts)]
+    for i, s in enumerate(seqs):
+        s.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+    runner.forward(runner.prepare([ScheduledChunk(s, len(s.prompt_ids) - 1) for s in seqs]))
+    for s in seqs:
+        s.num_computed = len(s.prompt_ids) - 1
+    st = runner.prepare([ScheduledChunk(s, 1) for s in seqs])
+    assert runner.graphs is not None and runner.graphs.can_run(st), "the decode step did not take the graph path"
+    return runner.forward(st).float().clone()
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:

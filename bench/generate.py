@@ -2,12 +2,16 @@
 
     python bench/generate.py --out bench/results/generate-h200 --quick            # ~6-8 min on one H200
     python bench/generate.py --out DIR --variants fourfold,hf-compile --profile
+    python bench/generate.py --out DIR --variants fourfold,fourfold-quant --quant int4-g128 --concurrency 1
 
 Model: the `llama-1b` preset (1.1B, TinyLlama shape) in bf16 with random weights; prompts of 128 random
 token ids, 256 new tokens, greedy, end-of-sequence ignored. Variants, each in its own process:
   fourfold         the engine (`LLM(dir).generate`) at 1, 8, 32, 64, 256 concurrent requests, loading a
                    checkpoint this script writes once (save_checkpoint); decode CUDA graphs are wired
                    onto the runner here unless the engine already has them (--graphs off: eager)
+  fourfold-quant   the engine on the same random model converted with fourfold.quant (`ptq`, round to
+                   nearest, scheme --quant, e.g. int4-g128) and saved as a converted checkpoint, loaded
+                   the way `fourfold generate` loads one; same concurrencies as fourfold
   fourfold-prefix  64 requests sharing a 1k-token system prompt (--system-len), prefix caching on and off
   hf-eager         `generate` (dynamic cache) at 1 and 64
   hf-compile       `generate` with the static cache, which Hugging Face compiles; two warm-up runs per size
@@ -34,8 +38,9 @@ sys.path[:0] = [ROOT, BENCH]
 
 from common import read_child  # noqa: E402
 
-ORDER = ["fourfold", "hf-compile", "hf-cb", "hf-eager", "fourfold-prefix"]
-TIMEOUTS = {"fourfold": 300, "hf-compile": 330, "hf-cb": 200, "hf-eager": 150, "fourfold-prefix": 200}
+ORDER = ["fourfold", "fourfold-quant", "hf-compile", "hf-cb", "hf-eager", "fourfold-prefix"]
+TIMEOUTS = {"fourfold": 300, "fourfold-quant": 300, "hf-compile": 330, "hf-cb": 200, "hf-eager": 150,
+            "fourfold-prefix": 200}
 HF_CONCURRENCY = {"hf-eager": [1, 64], "hf-compile": [1, 64, 256], "hf-cb": [1, 64, 256]}
 GOALS = {1: 950, 64: 35_000, 256: 75_000}
 
@@ -63,22 +68,28 @@ def preset_vocab(args) -> int:
 
 # ---------------------------------------------------------------- fourfold side
 
-def model_dir(args):
-    """A checkpoint of the preset with random weights (bf16), written once into --workdir."""
+def model_dir(args, quant: str | None = None):
+    """A checkpoint of the preset with random weights (bf16), written once into --workdir; with `quant`
+    the same kind of model converted by fourfold.quant.ptq (round to nearest) into that scheme."""
     import torch
 
     from fourfold.checkpoint.store import latest_checkpoint, save_checkpoint
     from fourfold.config import build_config
     from fourfold.models.llama import Llama
+    from fourfold.quant.qat import ptq, quant_meta
 
-    run_dir = os.path.join(args.workdir, f"model-{args.preset}")
+    run_dir = os.path.join(args.workdir, f"model-{args.preset}" + (f"-{quant}" if quant else ""))
     if latest_checkpoint(run_dir) is None:
         t0 = time.perf_counter()
         cfg = build_config({"model": {"preset": args.preset}})
+        torch.manual_seed(0)
         with torch.device(args.device):
             model = Llama(cfg.model).to(torch.bfloat16)
-        save_checkpoint(run_dir, 0, model, None, {"step": 0, "config": cfg.to_dict(), "tokenizer": "byte"},
-                        keep=1, writer=True)
+        meta = {"step": 0, "config": cfg.to_dict(), "tokenizer": "byte"}
+        if quant:
+            ptq(model, quant)
+            meta["quant"] = quant_meta(model)
+        save_checkpoint(run_dir, 0, model, None, meta, keep=1, writer=True)
         del model
         say(f"PROGRESS wrote random-weight checkpoint {run_dir} in {time.perf_counter() - t0:.1f}s")
     return run_dir
@@ -125,27 +136,35 @@ def timed_generate(llm, prompts, max_tokens) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(len(r.token_ids) for r in results)
 
 
-def build_llm(args, **config):
+def build_llm(args, quant: str | None = None, **config):
     import torch
 
     from fourfold.infer.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model_dir(args), device=args.device, dtype=torch.bfloat16, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model_dir(args, quant), device=args.device, dtype=torch.bfloat16, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_batched_tokens, **config)
     say(f"PROGRESS engine ready in {time.perf_counter() - t0:.1f}s")
     return llm
 
 
-def run_fourfold(args) -> None:
-    llm = build_llm(args, fused_decoder=not args.no_fused, overlap_steps=not args.no_overlap,
+def run_fourfold(args, quant: str | None = None) -> None:
+    from fourfold.infer import gemv_gpu
+    from fourfold.quant import int4_gemv
+
+    variant = f"fourfold-{quant}" if quant else "fourfold"
+    if args.gemv_rows is not None:  # A/B switches: 0 sends every step to cuBLAS / torch's int4 kernel
+        gemv_gpu.MAX_ROWS = args.gemv_rows
+    if args.int4_gemv_rows is not None:
+        int4_gemv.MAX_ROWS = args.int4_gemv_rows
+    llm = build_llm(args, quant, fused_decoder=not args.no_fused, overlap_steps=not args.no_overlap,
                     look_ahead=not args.no_look_ahead)
     path = wire_decode_graphs(llm, args)
     vocab = preset_vocab(args)
     for c in args.concurrency:
         timed_generate(llm, prompts_for(c, args.prompt_len, vocab, seed=10_000 + c), 4)  # warm-up, other prompts
         elapsed, tokens = timed_generate(llm, prompts_for(c, args.prompt_len, vocab, seed=c), args.new_tokens)
-        row = {"variant": "fourfold", "concurrency": c, "tokens": tokens, "seconds": elapsed,
+        row = {"variant": variant, "concurrency": c, "tokens": tokens, "seconds": elapsed,
                "tokens_per_s": tokens / elapsed, "decode_path": path}
         if c == 1:  # decode time per step without prefill: the difference of a long and a short run
             short, _ = timed_generate(llm, prompts_for(1, args.prompt_len, vocab, seed=5), 32)
@@ -305,7 +324,8 @@ def run_variant(name: str, args, budget_left: float) -> list[dict]:
 def markdown(rows: list[dict], args, bound_ms: float) -> str:
     ok = [r for r in rows if "error" not in r]
     cols = sorted({r["concurrency"] for r in ok})
-    names = [n for n in ["fourfold", "hf-eager", "hf-compile", "hf-cb", "fourfold-prefix-on", "fourfold-prefix-off"]
+    names = [n for n in ["fourfold", f"fourfold-{args.quant}", "hf-eager", "hf-compile", "hf-cb", "fourfold-prefix-on",
+                         "fourfold-prefix-off"]
              if any(r["variant"] == n for r in ok)]
     cell = {(r["variant"], r["concurrency"]): r for r in ok}
     lines = [f"`{args.preset}` bf16, random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens "
@@ -321,6 +341,11 @@ def markdown(rows: list[dict], args, bound_ms: float) -> str:
         best = max((cell[(p, c)]["tokens_per_s"] for p in peers if (p, c) in cell), default=None)
         ratio.append(f"{cell[('fourfold', c)]['tokens_per_s'] / best:.2f}x" if best and ("fourfold", c) in cell else "—")
     lines.append("| fourfold / best HF | " + " | ".join(ratio) + " | |")
+    quant = f"fourfold-{args.quant}"
+    if any(r["variant"] == quant for r in ok):
+        q_ratio = [f"{cell[(quant, c)]['tokens_per_s'] / cell[('fourfold', c)]['tokens_per_s']:.2f}x"
+                   if (quant, c) in cell and ("fourfold", c) in cell else "—" for c in cols]
+        lines.append(f"| {quant} / fourfold bf16 | " + " | ".join(q_ratio) + " | |")
     lines += ["", f"Bandwidth bound at batch 1: {bound_ms:.3f} ms/step ({1000 / bound_ms:,.0f} tok/s) = weight bytes / "
               f"{args.bandwidth / 1e12:.2f} TB/s."]
     for c, goal in GOALS.items():
@@ -334,7 +359,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(BENCH, "results", "generate"))
     ap.add_argument("--workdir", default="/tmp/fourfold-bench-generate", help="where the checkpoint is written")
-    ap.add_argument("--variants", default=",".join(ORDER))
+    ap.add_argument("--variants", default=",".join(v for v in ORDER if v != "fourfold-quant"))
     ap.add_argument("--preset", default="llama-1b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrency", default="1,8,32,64,256")
@@ -354,6 +379,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget-s", type=float, default=480, help="total wall time for all variants")
     ap.add_argument("--bandwidth", type=float, default=4.26e12, help="GPU memory bandwidth, bytes/s (H200)")
+    ap.add_argument("--gemv-rows", type=int, default=None, help="fourfold: Triton bf16 GEMV up to this many "
+                    "tokens (default: fourfold.infer.gemv_gpu.MAX_ROWS; 0: cuBLAS only)")
+    ap.add_argument("--int4-gemv-rows", type=int, default=None, help="fourfold-quant: Triton int4 GEMV up to this "
+                    "many tokens (default: fourfold.quant.int4_gemv.MAX_ROWS; 0: torch's _weight_int4pack_mm only)")
+    ap.add_argument("--quant", default="int4-g128", help="scheme of the fourfold-quant variant (fourfold.quant)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
@@ -362,7 +392,10 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.workdir, exist_ok=True)
     if args.one:
-        {"fourfold": run_fourfold, "fourfold-prefix": run_fourfold_prefix}.get(args.one, run_hf)(args)
+        if args.one == "fourfold-quant":
+            run_fourfold(args, args.quant)
+        else:
+            {"fourfold": run_fourfold, "fourfold-prefix": run_fourfold_prefix}.get(args.one, run_hf)(args)
         return 0
     from fourfold.config import build_config
     from fourfold.models.llama import parameter_counts

@@ -63,7 +63,7 @@ def test_fusing_keeps_the_model_weights_as_views():
     decoder = FusedDecoder.from_model(model)
     att = model.layers["0"].attention
     block = decoder.blocks[0][1]
-    assert att.wk.weight.data_ptr() == block.qkv[att.wq.weight.shape[0]:].data_ptr()
+    assert att.wk.weight.data_ptr() == block.qkv.weight[att.wq.weight.shape[0]:].data_ptr()
     torch.testing.assert_close(model(torch.tensor([PROMPTS[1]])), want, rtol=0, atol=0)
     packed = tiny_model().to(torch.bfloat16)
     pack_cpu_linears(packed)  # packed oneDNN linears are not plain nn.Linear: left alone

@@ -24,6 +24,7 @@ tests run the kernel on CPU under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -31,6 +32,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU installs: the engine uses the torch reference instead.
     triton = None
 
@@ -45,11 +47,40 @@ def available() -> bool:
     return triton is not None
 
 
+_pdl_devices: dict = {}
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether this module's and fused_ops'/gemv_gpu's kernels launch with programmatic dependent launch on
+    `device` (Hopper or newer, not under TRITON_INTERPRET). Then each kernel lets the next one start while
+    it runs (`pdl_signal`) and waits for the previous one (`pdl_wait`) before it reads what that one wrote
+    or writes anything, so launch latency and the GEMVs' first weight loads overlap the previous kernel;
+    captured CUDA graphs keep these edges. FOURFOLD_PDL=0 turns it off."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FOURFOLD_PDL") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pdl_devices:
+        _pdl_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _pdl_devices[index]
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 if triton is not None:
+
+    @triton.jit
+    def pdl_signal(PDL: tl.constexpr):
+        """Let the next kernel launch now (it waits in pdl_wait); a no-op unless launched with PDL."""
+        if PDL:
+            gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """Wait until the previous kernel has finished and its writes are visible."""
+        if PDL:
+            gdc_wait()
 
     @triton.jit
     def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
@@ -58,7 +89,9 @@ if triton is not None:
                        stride_ot, stride_oh, stride_os, stride_bt,
                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       SPLITS: tl.constexpr):
+                       SPLITS: tl.constexpr, PDL: tl.constexpr):
+        pdl_signal(PDL)
+        pdl_wait(PDL)
         tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq = tl.load(tile_seq_ptr + tile)
         first = tl.load(tile_first_ptr + tile)
@@ -119,7 +152,9 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(partial_ptr, lse_ptr, out_ptr, n_heads, stride_ot, stride_oh,
-                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+        pdl_signal(PDL)
+        pdl_wait(PDL)
         # partial (T, hq, SPLITS, d): each split's softmax-normalised output; lse (T, hq, SPLITS) its weight.
         token, head = tl.program_id(0), tl.program_id(1)
         base = token * n_heads + head
@@ -211,14 +246,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out_strides = (target.stride(0), target.stride(1), target.stride(2))
     if tiles == 0:
         return out
+    use_pdl = pdl(q.device)
     _attend_kernel[(tiles, n_kv_heads, splits)](
         q, k_cache, v_cache, target, lse, block_tables, seq_lens, query_start, tile_seq, tile_first,
         float(scale), max_blocks,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *out_strides, block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, SPLITS=splits, num_warps=4)
+        BLOCK_SIZE=block_size, SPLITS=splits, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
     if splits > 1:
         _combine_kernel[(total, n_heads)](target, lse, out, n_heads, out.stride(0), out.stride(1),
-                                          HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits, num_warps=1)
+                                          HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits, PDL=use_pdl, num_warps=1,
+                                          launch_pdl=use_pdl)
     return out

@@ -8,8 +8,13 @@ and w1, w3 into one 2 * ffn by dim matrix, then points the model's own Linear we
 (views: no extra memory, and the model's eager forward still works, for inference). Per layer the
 step then runs: add+RMSNorm, qkv matmul, rotary + KV-cache write, paged attention, output matmul,
 add+RMSNorm, gate|up matmul, SiLU*mul, down matmul (fourfold.infer.fused_ops: one Triton kernel each on
-CUDA), instead of about thirty small eager kernels. Tensor-parallel (DTensor weights) and pipeline-stage
-models are left alone (`from_model` returns None) and run the model's own forward.
+CUDA), instead of about thirty small eager kernels. On CUDA, steps of few tokens (decode) run the matmuls
+as Triton GEMVs (fourfold.infer.gemv_gpu), the gate|up one with SiLU*mul in its epilogue; the output head
+too. Converted int4 models (fourfold.quant Int4WeightLinear in every block linear) fuse the same way, their
+packed nibbles, scales and zero points stacked by rows, and run the module's own kernels (torch's int4 mm,
+or fourfold.quant.int4_gemv with SiLU*mul fused where its MAX_ROWS allows).
+Tensor-parallel (DTensor weights) and pipeline-stage models are left alone (`from_model` returns None)
+and run the model's own forward.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fourfold.infer.fused_ops import add_rms_norm, rotary_kv_write, silu_mul
+from fourfold.infer.gemv_gpu import gemv_triton, use_gemv
 from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.step_tensors import StepTensors
+from fourfold.quant.packing import Int4WeightLinear
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q (T, hq, d), k_cache, v_cache) -> (T, hq, d): attention over the already-written pool."""
@@ -43,18 +50,70 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+def _fuse_int4(linears: list[Int4WeightLinear]) -> Int4WeightLinear:
+    """One Int4WeightLinear for `linears` stacked by output rows; each then holds views of its buffers."""
+    first = linears[0]
+    names = ["weight_int4", "scales", "zero_points"] + (["bias"] if first.bias is not None else [])
+    stacked = {n: torch.cat([getattr(lin, n) for lin in linears], dim=0) for n in names}
+    fused = Int4WeightLinear(first.in_features, stacked["weight_int4"].shape[0], first.bias is not None, first.scheme)
+    row = 0
+    for lin in linears:
+        rows = lin.out_features
+        for n in names:
+            setattr(lin, n, stacked[n][row:row + rows])
+        row += rows
+    for n in names:
+        setattr(fused, n, stacked[n])
+    return fused
+
+
+class _Linear:
+    """One (possibly fused) projection: a float weight and bias, or a packed int4 module."""
+
+    def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 packed: nn.Module | None = None):
+        self.weight, self.bias, self.packed = weight, bias, packed
+
+    @classmethod
+    def of(cls, linears: list[nn.Module]) -> "_Linear":
+        if isinstance(linears[0], Int4WeightLinear):
+            return cls(packed=linears[0] if len(linears) == 1 else _fuse_int4(linears))
+        if len(linears) == 1:
+            return cls(linears[0].weight, linears[0].bias)
+        return cls(*_fuse(linears))
+
+    def __call__(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """x @ W.T + b; `gated` (W = [gate | up] by rows): silu(gate) * up."""
+        if self.packed is not None:
+            if gated and self.packed.uses_gemv(x):
+                return self.packed(x, gated=True)
+            y = self.packed(x)
+        elif use_gemv(x, self.weight):
+            return gemv_triton(x, self.weight, self.bias, gated=gated)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return silu_mul(y) if gated else y
+
+
+def _block_linears_fuse(linears: list[nn.Module]) -> bool:
+    """Plain floating-point Linears, or int4 modules of one scheme (not 8-bit or other packed modules)."""
+    if all(type(lin) is nn.Linear and lin.weight.is_floating_point() for lin in linears):
+        return True
+    return (all(isinstance(lin, Int4WeightLinear) for lin in linears)
+            and len({lin.scheme for lin in linears}) == 1)
+
+
 def can_fuse(model: nn.Module) -> bool:
-    """Whether `model` is a whole fourfold Llama with plain nn.Linear, non-DTensor weights."""
+    """Whether `model` is a whole fourfold Llama with non-DTensor weights, its block linears plain or int4."""
     if getattr(model, "tok_embeddings", None) is None or getattr(model, "output", None) is None:
         return False
     if getattr(model, "norm", None) is None or not hasattr(model, "layers"):
         return False
     if any(hasattr(p, "full_tensor") for p in model.parameters()):
         return False
-    for block in model.layers.values():  # plain floating-point Linears only (not packed or quantized ones)
+    for block in model.layers.values():
         att, ffn = block.attention, block.feed_forward
-        linears = [att.wq, att.wk, att.wv, att.wo, ffn.w1, ffn.w2, ffn.w3]
-        if any(type(lin) is not nn.Linear or not lin.weight.is_floating_point() for lin in linears):
+        if not _block_linears_fuse([att.wq, att.wk, att.wv, att.wo, ffn.w1, ffn.w2, ffn.w3]):
             return False
     return True
 
@@ -66,13 +125,13 @@ class _FusedBlock:
         att, ffn = block.attention, block.feed_forward
         self.attn_norm, self.ffn_norm = block.attention_norm.weight, block.ffn_norm.weight
         self.eps = block.attention_norm.eps
-        self.n_heads = att.wq.weight.shape[0] // att.head_dim
-        self.n_kv_heads = att.wk.weight.shape[0] // att.head_dim
+        self.n_heads = att.wq.out_features // att.head_dim
+        self.n_kv_heads = att.wk.out_features // att.head_dim
         self.head_dim = att.head_dim
-        self.qkv, self.qkv_bias = _fuse([att.wq, att.wk, att.wv])
-        self.gate_up, self.gate_up_bias = _fuse([ffn.w1, ffn.w3])
-        self.wo, self.wo_bias = att.wo.weight, att.wo.bias
-        self.w2, self.w2_bias = ffn.w2.weight, ffn.w2.bias
+        self.qkv = _Linear.of([att.wq, att.wk, att.wv])
+        self.gate_up = _Linear.of([ffn.w1, ffn.w3])
+        self.wo = _Linear.of([att.wo])
+        self.w2 = _Linear.of([ffn.w2])
 
 
 class FusedDecoder:
@@ -96,14 +155,15 @@ class FusedDecoder:
         residual = None
         for layer_idx, b in self.blocks:
             normed, residual = add_rms_norm(x, residual, b.attn_norm, b.eps)
-            qkv = F.linear(normed, b.qkv, b.qkv_bias)
+            qkv = b.qkv(normed)
             k_cache, v_cache = pool.layer(layer_idx)
             q = rotary_kv_write(qkv, st.positions, cos, sin, k_cache, v_cache, st.slot_mapping, b.n_heads,
                                 b.n_kv_heads)
             out = attend(layer_idx, q, k_cache, v_cache)
-            x = F.linear(out.reshape(out.shape[0], -1), b.wo, b.wo_bias)
+            x = b.wo(out.reshape(out.shape[0], -1))
             normed, residual = add_rms_norm(x, residual, b.ffn_norm, b.eps)
-            x = F.linear(silu_mul(F.linear(normed, b.gate_up, b.gate_up_bias)), b.w2, b.w2_bias)
+            x = b.w2(b.gate_up(normed, gated=True))
         h = (x + residual)[st.logits_for]
         h, _ = add_rms_norm(h, None, m.norm.weight, m.norm.eps)
-        return m.output(h)
+        head = m.output  # looked up per step: CPU runs may repack it (fourfold.infer.cpu_linear)
+        return _Linear(head.weight, head.bias)(h) if type(head) is nn.Linear else head(h)

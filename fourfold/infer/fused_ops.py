@@ -17,14 +17,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fourfold.infer.attention_gpu import triton
+from fourfold.infer.attention_gpu import pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from fourfold.infer.attention_gpu import pdl_signal, pdl_wait
+
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, dim, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_signal(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < dim
@@ -41,7 +45,9 @@ if triton is not None:
     @triton.jit
     def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_ptr, v_ptr,
                           stride_qkv, stride_cos, stride_kslot, stride_vslot,
-                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+        pdl_signal(PDL)
+        pdl_wait(PDL)
         token, head = tl.program_id(0), tl.program_id(1)  # heads 0..HQ-1 queries, HQ..HQ+HKV-1 keys (+ values)
         half = tl.arange(0, D // 2)
         pos = tl.load(pos_ptr + token)
@@ -72,7 +78,9 @@ if triton is not None:
             tl.store(v_ptr + slot * stride_vslot + kv_head * D + full, v.to(v_ptr.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, ffn, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, ffn, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_signal(PDL)
+        pdl_wait(PDL)
         row, part = tl.program_id(0), tl.program_id(1)
         cols = part * BLOCK + tl.arange(0, BLOCK)
         mask = cols < ffn
@@ -100,7 +108,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     _add_rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, res_out, dim, eps,
-                                  HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(dim), num_warps=8)
+                                  HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(dim), num_warps=8,
+                                  PDL=pdl(x.device), launch_pdl=pdl(x.device))
     return out, res_out
 
 
@@ -126,7 +135,8 @@ def rotary_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     q_out = torch.empty(tokens, n_heads, d, device=qkv.device, dtype=qkv.dtype)
     _rotary_kv_kernel[(tokens, n_heads + n_kv_heads)](
         qkv, positions, cos, sin, slot_mapping, q_out, flat_k, flat_v, qkv.stride(0), cos.stride(0),
-        flat_k.stride(0), flat_v.stride(0), HQ=n_heads, HKV=n_kv_heads, D=d, num_warps=1)
+        flat_k.stride(0), flat_v.stride(0), HQ=n_heads, HKV=n_kv_heads, D=d, num_warps=1,
+        PDL=pdl(qkv.device), launch_pdl=pdl(qkv.device))
     return q_out
 
 
@@ -139,5 +149,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(gate_up.shape[0], ffn, device=gate_up.device, dtype=gate_up.dtype)
     block = 1024
-    _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(ffn, block))](gate_up, out, ffn, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(ffn, block))](gate_up, out, ffn, BLOCK=block, num_warps=4,
+                                                                   PDL=pdl(gate_up.device), launch_pdl=pdl(gate_up.device))
     return out

@@ -21,6 +21,8 @@ computed during QAT, up to the kernels' float rounding. Layouts (checked on torc
 - int8: `_weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])` = x @ (w * scales).T, scales in
   x's dtype, CPU and CUDA; hence int8 schemes are symmetric.
 
+On CUDA, steps of at most int4_gemv.MAX_ROWS token rows can run fourfold.quant.int4_gemv's Triton GEMV on
+the stored nibbles instead (0 by default: torch's tiled kernel was faster in CUDA graphs on an H200).
 The 8da4w module fake-quantizes its input per token (int8, dynamic) before the int4-weight kernel: torch
 has no int8-activation x int4-weight kernel, so this reproduces the numbers, not the int8 speed-up.
 Plain torch rather than torchao: its int4 weight-only kernels need a package (mslk) that does not install.
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from fourfold.errors import ConfigError
+from fourfold.quant import int4_gemv as gemv
 from fourfold.quant.fake_quant import fake_quantize_activation, quantize_weight
 from fourfold.quant.schemes import QuantScheme, check_group_divides
 
@@ -115,9 +118,20 @@ class Int4WeightLinear(nn.Module):
                                         scales_and_zeros(self.scales, self.zero_points, x.dtype).to(x.device))}
         return self._kernel_cache[key]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def uses_gemv(self, x: torch.Tensor) -> bool:
+        """Whether x (.., K) runs the Triton int4 GEMV (CUDA, at most int4_gemv.MAX_ROWS rows) rather than torch's mm."""
+        rows = x.numel() // self.in_features if self.in_features else 0
+        return gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS
+
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """x @ dequant(W).T + b; `gated` (GEMV path only: see uses_gemv) returns silu(first half) * second half."""
         if self.scheme.activation != "none":
             x = fake_quantize_activation(x)
+        if self.uses_gemv(x):
+            return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size,
+                                  self.bias, gated=gated, asym=not self.scheme.symmetric)
+        if gated:
+            raise ValueError("gated int4 linears run only on the GEMV path (see uses_gemv)")
         out_dtype = x.dtype
         if x.device.type == "cuda" and x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)    # the CUDA kernel takes bf16 activations and scales only
