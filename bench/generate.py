@@ -128,7 +128,8 @@ def timed_generate(llm, prompts, max_tokens) -> tuple[float, int]:
 
     from fourfold.infer.requests import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # ids only, like the Hugging Face peers (their generate returns token ids, no text)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, progress=False)
