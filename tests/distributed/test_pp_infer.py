@@ -1,7 +1,8 @@
 """Micro-batched pipeline-parallel inference (fourfold.infer.pipeline_engine) on pp=2 and pp=4 gloo ranks gives the
 greedy tokens (and logprobs) of one process and of Hugging Face `generate`, for a ragged batch with chunked
 prefill, requests that finish early, arrive late or are aborted while their step is in flight; the stages
-really overlap (several micro-batch steps in flight at once); the knob turns it back into the plain pipeline."""
+really overlap (several micro-batch steps in flight at once); the knob turns it back into the plain pipeline;
+`fourfold serve --pp 2`'s engine (rank 0 streams, rank 1 follows in lockstep) gives the tokens of one process."""
 
 from __future__ import annotations
 
@@ -116,3 +117,46 @@ def test_micro_batched_pipeline_generates_what_one_process_and_hugging_face_gene
 
 def test_plain_pipeline_when_micro_batching_is_off(reference):
     _check(run_ranks(_pp_rank, world_size=2, args=(False,)), reference)
+
+
+SERVE_PROMPTS = ["def f(x):", "ab", "class Stack:\n    def push", "0123456789"]
+
+
+def _serve_rank(rank: int, world_size: int, run_dir: str) -> dict | None:
+    import asyncio
+
+    from fourfold.serve.engine_setup import open_engine
+
+    engine = open_engine(run_dir, device="cpu", dtype="fp64", pp=world_size, config=EngineConfig(**ENGINE))
+    if engine is None:  # the follower: rank 0 has shut down
+        return None
+
+    async def one(i: int, prompt: str) -> list[int]:
+        tokens = []
+        async for out in engine.generate(str(i), prompt, _params(4 + i)):
+            tokens += out.token_ids
+        return tokens
+
+    async def everything():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(SERVE_PROMPTS)))
+
+    try:
+        return {"tokens": asyncio.run(everything()), "micro_batches": len(engine.engine.engines)}
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_serve_pp2_engine_streams_what_one_process_generates(tmp_path):
+    from fourfold.infer.llm import LLM
+    from fourfold.testing.runs import tiny_config
+    from fourfold.train.trainer import train
+
+    train(tiny_config(tmp_path, **{"train.steps": "1", "checkpoint.save_final": "true", "model.init_std": "0.4",
+                                   "optim.lr": "1e-6"}), tmp_path / "run")
+    one = LLM(tmp_path / "run", dtype=torch.float64, **ENGINE)
+    want = [r.token_ids for r in one.generate(SERVE_PROMPTS, [_params(4 + i) for i in range(len(SERVE_PROMPTS))],
+                                              progress=False)]
+    leader, follower = run_ranks(_serve_rank, world_size=2, args=(str(tmp_path / "run"),))
+    assert follower is None and leader["micro_batches"] == 2
+    assert leader["tokens"] == want
