@@ -32,7 +32,6 @@ plain pipeline instead (LLMEngine over fourfold.infer.pipeline_runner.PipelineRu
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -109,8 +108,6 @@ class PipelineEngine:
         self.flight: dict[int, _Step | None] = {}
         """Steps scheduled at tick t whose tokens are not known yet (None: that tick scheduled nothing)."""
         self.owner: dict[str, LLMEngine] = {}
-        self.busy_s = 0.0
-        """Seconds this stage spent computing its steps (1 - busy_s / wall time is its idle fraction)."""
         first = engines[0]
         self.tokenizer, self.max_model_len, self.eos_id = first.tokenizer, first.max_model_len, first.eos_id
         self.model_name, self.chat_template, self.cfg = first.model_name, first.chat_template, first.cfg
@@ -153,9 +150,7 @@ class PipelineEngine:
             self.link.post_receive(t + 1 - s, self._hidden_shape(self.flight[t + 1 - s]), self._dtype())
         mine = self.flight.get(t - s)
         if mine is not None:
-            start = time.perf_counter()
             self._compute(t - s, mine)
-            self.busy_s += time.perf_counter() - start
         done = self.flight.pop(t - self.last, None)
         if done is not None and done.reqs:
             outputs += self._apply(done)
