@@ -160,7 +160,8 @@ def main() -> None:
     same = min(fraction for _, _, fraction in results)
     for row in rows:  # the fraction of the run during which both stages were inside their forward
         if row["rank"] == 0:
-            other = next(r for r in rows if r["rank"] == 1 and (r["variant"], r["repeat"]) == (row["variant"], row["repeat"]))
+            other = next(r for r in rows
+                         if r["rank"] == 1 and (r["variant"], r["repeat"]) == (row["variant"], row["repeat"]))
             row["both_busy_fraction"] = overlap_seconds(row["spans"], other["spans"]) / row["seconds"]
     for row in rows:
         del row["spans"]

@@ -1,6 +1,7 @@
 """Micro-batched pipeline-parallel inference (fourfold.infer.pipeline_engine) on pp=2 and pp=4 gloo ranks gives the
 greedy tokens (and logprobs) of one process and of Hugging Face `generate`, for a ragged batch with chunked
-prefill, requests that finish early, arrive late or are aborted while their step is in flight; the stages
+prefill, requests that finish early, arrive late or are aborted while their step is in flight, and shares of
+the KV pool small enough to force preemption; the stages
 really overlap (several micro-batch steps in flight at once); the knob turns it back into the plain pipeline;
 `fourfold serve --pp 2`'s engine (rank 0 streams, rank 1 follows in lockstep) gives the tokens of one process."""
 
@@ -53,17 +54,19 @@ def _drive(engine) -> dict:
             for rid, (prompt, n) in LATE.items():
                 engine.add_request(rid, prompt, _params(n))
     tokens.pop("gone", None)
-    return {"tokens": tokens, "logprobs": logprobs, "steps": steps, "blocks_used": engine.stats().kv_blocks_used}
+    stats = engine.stats()
+    return {"tokens": tokens, "logprobs": logprobs, "steps": steps, "blocks_used": stats.kv_blocks_used,
+            "preemptions": stats.preemptions}
 
 
-def _pp_rank(rank: int, world_size: int, micro_batching: bool) -> dict:
+def _pp_rank(rank: int, world_size: int, micro_batching: bool, kv_blocks: int = ENGINE["num_kv_blocks"]) -> dict:
     import torch.distributed as dist
 
     from fourfold.infer.pipeline_engine import PipelineEngine, open_pipeline_engine
     from fourfold.parallel.pipeline.split import split_pipeline
 
     chunk = split_pipeline(_model(), rank, world_size)[0]
-    cfg = EngineConfig(**ENGINE, pipeline_micro_batching=micro_batching)
+    cfg = EngineConfig(**{**ENGINE, "num_kv_blocks": kv_blocks}, pipeline_micro_batching=micro_batching)
     engine = open_pipeline_engine(chunk, ByteTokenizer(), cfg, torch.device("cpu"), None,
                                   stage_ranks=list(range(world_size)), group=dist.group.WORLD, sampling_seed=0)
     assert isinstance(engine, PipelineEngine) == micro_batching
@@ -113,6 +116,12 @@ def test_micro_batched_pipeline_generates_what_one_process_and_hugging_face_gene
         # (nearly) every tick; one step in flight would compute at most every S-th tick.
         assert len(ticks) > 1.5 * r["steps"] / stages, f"stage {stage} computed {len(ticks)} of {r['steps']} ticks"
         assert any(b - a == 1 for a, b in zip(ticks, ticks[1:]))
+
+
+def test_micro_batches_that_run_out_of_blocks_preempt_and_still_generate_the_same_tokens(reference):
+    results = run_ranks(_pp_rank, world_size=2, args=(True, 24))  # two shares of 11 blocks (44 tokens) each
+    _check(results, reference)
+    assert all(r["preemptions"] > 0 for r in results)
 
 
 def test_plain_pipeline_when_micro_batching_is_off(reference):
