@@ -1,9 +1,8 @@
 """Micro-batched pipeline-parallel inference (fourfold.infer.pipeline_engine) on pp=2 and pp=4 gloo ranks gives the
 greedy tokens (and logprobs) of one process and of Hugging Face `generate`, for a ragged batch with chunked
 prefill, requests that finish early, arrive late or are aborted while their step is in flight, and shares of
-the KV pool small enough to force preemption; the stages
-really overlap (several micro-batch steps in flight at once); the knob turns it back into the plain pipeline;
-`fourfold serve --pp 2`'s engine (rank 0 streams, rank 1 follows in lockstep) gives the tokens of one process."""
+the KV pool small enough to force preemption; the stages really overlap (several micro-batch steps in flight
+at once); the knob turns it back into the plain pipeline; `fourfold serve --pp 2`'s engine (rank 0 streams, rank 1 follows in lockstep) gives the tokens of one process."""
 
 from __future__ import annotations
 
