@@ -7,9 +7,10 @@
 Every rank holds one stage of the model and runs the same engine. The requests are split into S
 micro-batches (S = number of stages), each a virtual engine (an LLMEngine with its own scheduler, its own
 requests and its own share of the KV pool, as vLLM's virtual engines); a new request joins the micro-batch
-with the fewest requests. `step()` is one tick. At tick t every rank schedules micro-batch t mod S (the
-same decisions everywhere: same requests, same sampled tokens), and stage s runs the step scheduled at
-tick t - s, so with S = 3 stages and micro-batches A, B, C (A1: micro-batch A's second step):
+with the fewest requests, and a micro-batch about to be scheduled with nothing waiting takes the newest
+not yet started request of the longest queue. `step()` is one tick. At tick t every rank schedules
+micro-batch t mod S (the same decisions everywhere: same requests, same sampled tokens), and stage s runs
+the step scheduled at tick t - s, so with S = 3 stages and micro-batches A, B, C (A1: A's second step):
 
     tick              0    1    2    3    4    5    6
     scheduled         A0   B0   C0   A1   B1   C1   A2
@@ -108,6 +109,8 @@ class PipelineEngine:
         self.flight: dict[int, _Step | None] = {}
         """Steps scheduled at tick t whose tokens are not known yet (None: that tick scheduled nothing)."""
         self.owner: dict[str, LLMEngine] = {}
+        self.moved = 0
+        """Waiting requests moved to a micro-batch with nothing waiting (`_take_waiting`)."""
         first = engines[0]
         self.tokenizer, self.max_model_len, self.eos_id = first.tokenizer, first.max_model_len, first.eos_id
         self.model_name, self.chat_template, self.cfg = first.model_name, first.chat_template, first.cfg
@@ -145,7 +148,9 @@ class PipelineEngine:
         for e in self.engines:
             outputs += e._aborted
             e._aborted = []
-        self.flight[t] = self._schedule(self.engines[t % self.num_stages])
+        engine = self.engines[t % self.num_stages]
+        self._take_waiting(engine)
+        self.flight[t] = self._schedule(engine)
         if s > 0 and self.flight.get(t + 1 - s) is not None:  # the next tick's input may come in meanwhile
             self.link.post_receive(t + 1 - s, self._hidden_shape(self.flight[t + 1 - s]), self._dtype())
         mine = self.flight.get(t - s)
@@ -160,6 +165,23 @@ class PipelineEngine:
         if not self.has_unfinished():
             self.link.drain()
         return outputs
+
+    def _take_waiting(self, engine: LLMEngine) -> None:
+        """Before `engine` schedules with nothing waiting and room for a sequence: move it the newest not yet
+        started request of the micro-batch with the longest queue, so a micro-batch whose requests ended early
+        does not idle while another's queue waits (the same move on every rank: it depends only on their state;
+        the request keeps its arrival number, which orders it among the sequences of its new micro-batch)."""
+        if engine.scheduler.waiting or len(engine.scheduler.running) >= engine.cfg.max_num_seqs:
+            return
+        donor = max(self.engines, key=lambda e: len(e.scheduler.waiting))
+        seq = donor.scheduler.waiting[-1] if donor.scheduler.waiting else None
+        if seq is None or seq.scheduled_once:
+            return
+        donor.scheduler.waiting.pop()
+        engine.scheduler.add(seq)
+        engine.requests[seq.request_id] = donor.requests.pop(seq.request_id)
+        self.owner[seq.request_id] = engine
+        self.moved += 1
 
     def _schedule(self, engine: LLMEngine) -> _Step | None:
         """The micro-batch's next step on every rank: chunks, tensors, placeholders for its sampled tokens."""

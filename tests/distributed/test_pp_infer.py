@@ -58,14 +58,14 @@ def _drive(engine) -> dict:
             "preemptions": stats.preemptions}
 
 
-def _pp_rank(rank: int, world_size: int, micro_batching: bool, kv_blocks: int = ENGINE["num_kv_blocks"]) -> dict:
+def _pp_rank(rank: int, world_size: int, micro_batching: bool, overrides: dict | None = None) -> dict:
     import torch.distributed as dist
 
     from fourfold.infer.pipeline_engine import PipelineEngine, open_pipeline_engine
     from fourfold.parallel.pipeline.split import split_pipeline
 
     chunk = split_pipeline(_model(), rank, world_size)[0]
-    cfg = EngineConfig(**{**ENGINE, "num_kv_blocks": kv_blocks}, pipeline_micro_batching=micro_batching)
+    cfg = EngineConfig(**{**ENGINE, **(overrides or {})}, pipeline_micro_batching=micro_batching)
     engine = open_pipeline_engine(chunk, ByteTokenizer(), cfg, torch.device("cpu"), None,
                                   stage_ranks=list(range(world_size)), group=dist.group.WORLD, sampling_seed=0)
     assert isinstance(engine, PipelineEngine) == micro_batching
@@ -75,6 +75,7 @@ def _pp_rank(rank: int, world_size: int, micro_batching: bool, kv_blocks: int = 
         engine._compute = lambda key, step: (computed.append(engine.tick), plain_compute(key, step))
     result = _drive(engine)
     result["computed_ticks"] = computed
+    result["moved"] = getattr(engine, "moved", 0)
     return result
 
 
@@ -118,9 +119,15 @@ def test_micro_batched_pipeline_generates_what_one_process_and_hugging_face_gene
 
 
 def test_micro_batches_that_run_out_of_blocks_preempt_and_still_generate_the_same_tokens(reference):
-    results = run_ranks(_pp_rank, world_size=2, args=(True, 24))  # two shares of 11 blocks (44 tokens) each
+    results = run_ranks(_pp_rank, world_size=2, args=(True, {"num_kv_blocks": 24}))  # shares of 11 blocks each
     _check(results, reference)
     assert all(r["preemptions"] > 0 for r in results)
+
+
+def test_queued_requests_move_to_a_micro_batch_with_nothing_waiting(reference):
+    results = run_ranks(_pp_rank, world_size=2, args=(True, {"max_num_seqs": 1}))  # queues in each micro-batch
+    _check(results, reference)
+    assert all(r["moved"] > 0 for r in results)
 
 
 def test_plain_pipeline_when_micro_batching_is_off(reference):
