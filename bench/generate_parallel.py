@@ -9,7 +9,9 @@ exact but slow for 8B). Prompts of 128 random ids, 256 new tokens, greedy, end-o
 64 and 256 concurrent requests, end to end (prefill included), for each variant in its own process:
   tp1   LLM-style engine on one device
   tp2   two ranks (torchrun), each loading only its tensor-parallel shards (NCCL on GPUs, gloo on CPUs)
-  pp2   two pipeline stages, each holding half the blocks (plain pipeline: one step in flight)
+  pp2   two pipeline stages, each holding half the blocks, micro-batched (fourfold.infer.pipeline_engine:
+        one micro-batch of requests per stage, the stages overlap)
+  pp2one  the same stages with one step in flight (EngineConfig.pipeline_micro_batching=false)
 The ranks of a variant run identical engines fed the same requests (as tests/distributed/test_tp_inference.py
 does); rank 0 reports. Batch-1 ms/step is the difference of a 256- and a 32-token run. Each variant also
 generates 8 prompts x 32 greedy tokens; the parent compares tp2 and pp2 with tp1 token by token (bf16:
@@ -33,8 +35,8 @@ sys.path[:0] = [ROOT, BENCH]
 
 from common import read_child  # noqa: E402
 
-NPROC = {"write": 1, "tp1": 1, "tp2": 2, "pp2": 2}
-TIMEOUTS = {"write": 240, "tp1": 180, "tp2": 180, "pp2": 180}
+NPROC = {"write": 1, "tp1": 1, "tp2": 2, "pp2": 2, "pp2one": 2}
+TIMEOUTS = {"write": 240, "tp1": 180, "tp2": 180, "pp2": 180, "pp2one": 180}
 PARITY_PROMPTS, PARITY_TOKENS = 8, 32
 
 
@@ -135,6 +137,7 @@ def build_engine(args, variant: str):
     from fourfold.infer.engine import LLMEngine
     from fourfold.infer.engine_config import EngineConfig
     from fourfold.infer.loading import load_model
+    from fourfold.infer.pipeline_engine import open_pipeline_engine
     from fourfold.models.llama import Llama
 
     Llama.init_weights = fast_init_weights  # the checkpoint supplies every parameter
@@ -152,9 +155,13 @@ def build_engine(args, variant: str):
         mesh = init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("tp",))
         loaded = load_model(run_dir(args), device, dtype, tp_mesh=mesh)
         parallel = {"group": dist.group.WORLD, "sampling_seed": 0}
-    elif variant == "pp2":
+    elif variant in ("pp2", "pp2one"):
         loaded = load_model(run_dir(args), device, dtype, pp=(env.rank, env.world_size))
-        parallel = {"group": dist.group.WORLD, "pipeline_ranks": list(range(env.world_size)), "sampling_seed": 0}
+        cfg.pipeline_micro_batching = variant == "pp2"
+        engine = open_pipeline_engine(loaded.model, loaded.tokenizer, cfg, device, loaded.kv_heads,
+                                      list(range(env.world_size)), dist.group.WORLD, sampling_seed=0)
+        progress(f"{variant}: engine ready in {time.perf_counter() - t0:.1f}s on {device}")
+        return engine, loaded.config.model.vocab_size
     else:
         loaded = load_model(run_dir(args), device, dtype)
     engine = LLMEngine.from_model(loaded.model, loaded.tokenizer, cfg, device, loaded.kv_heads, **parallel)
@@ -267,7 +274,7 @@ def summarize(rows: list[dict], args) -> tuple[dict, str]:
     tput = {(r["variant"], r["concurrency"]): r for r in rows if r.get("kind") == "throughput"}
     ratios = {}
     for c in args.concurrency:
-        for num, den in (("tp2", "tp1"), ("pp2", "tp2"), ("pp2", "tp1")):
+        for num, den in (("tp2", "tp1"), ("pp2", "tp2"), ("pp2", "tp1"), ("pp2", "pp2one")):
             if (num, c) in tput and (den, c) in tput:
                 ratios[f"{num}/{den} c={c}"] = tput[(num, c)]["tokens_per_s"] / tput[(den, c)]["tokens_per_s"]
     for num, den in (("tp2", "tp1"), ("pp2", "tp2")):
@@ -279,7 +286,7 @@ def summarize(rows: list[dict], args) -> tuple[dict, str]:
              f"device {args.device}; tokens/s end to end (prefill included).", "",
              "| variant | " + " | ".join(f"c={c} tok/s" for c in args.concurrency) + " | batch-1 ms/step |",
              "|---|" + "---:|" * (len(args.concurrency) + 1)]
-    for v in ("tp1", "tp2", "pp2"):
+    for v in ("tp1", "tp2", "pp2", "pp2one"):
         cells = [f"{tput[(v, c)]['tokens_per_s']:,.0f}" if (v, c) in tput else "—" for c in args.concurrency]
         ms = tput.get((v, 1), {}).get("ms_per_step")
         lines.append(f"| {v} | " + " | ".join(cells) + f" | {ms:.2f} |" if ms else f"| {v} | " + " | ".join(cells)
@@ -311,7 +318,7 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/fourfold-generate-parallel")
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--variants", default="tp1,tp2,pp2")
+    ap.add_argument("--variants", default="tp1,tp2,pp2,pp2one")
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -348,7 +355,7 @@ def main() -> int:
             say(f"== {name}: skipped, budget spent")
             continue
         got = launch(args, name, left, args.graphs, args.engine)
-        if (name in ("tp2", "pp2") and args.device == "cuda" and got and "error" in got[-1]
+        if (name in ("tp2", "pp2", "pp2one") and args.device == "cuda" and got and "error" in got[-1]
                 and not any(r.get("kind") == "throughput" for r in got)):
             left = args.budget_s - (time.perf_counter() - start)
             if left > 60:  # the plain engine: eager decode steps, unfused weights

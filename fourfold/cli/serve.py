@@ -29,6 +29,9 @@ def _parser() -> ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks; more than 1 starts them with torchrun (NCCL on GPUs, gloo on CPUs)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages, one rank each, started with torchrun; the requests are split into one "
+                        "micro-batch per stage so the stages work at once (not with --tp)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32")
     p.add_argument("--max-requests", type=int, default=256, help="requests in flight before 429 (at least 1)")
@@ -45,6 +48,8 @@ def _parser() -> ArgumentParser:
     engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     engine.add_argument("--no-chunked-prefill", action="store_true",
                         help="prefill whole prompts in steps of their own (the classic baseline)")
+    engine.add_argument("--no-pipeline-micro-batching", action="store_true",
+                        help="with --pp: one step in flight (the other stages idle while one computes)")
     return p
 
 
@@ -59,7 +64,8 @@ def engine_config(a):
              "kv_cache_bytes": a.kv_cache_bytes}
     cfg = EngineConfig(**{k: v for k, v in flags.items() if v is not None},
                        enable_prefix_caching=not a.no_prefix_caching,
-                       enable_chunked_prefill=not a.no_chunked_prefill)
+                       enable_chunked_prefill=not a.no_chunked_prefill,
+                       pipeline_micro_batching=not a.no_pipeline_micro_batching)
     for f in fields(cfg):
         rng, value = f.metadata.get("range"), getattr(cfg, f.name)
         if rng is not None and not rng.accepts(value):
@@ -71,8 +77,8 @@ def engine_config(a):
 def _check(a) -> None:
     if not 0 <= a.port < 65536:
         raise ConfigError(f"--port {a.port} is not a port; pass a number in [0, 65535].")
-    if a.max_requests < 1 or a.request_timeout <= 0 or a.max_body_bytes < 1024 or a.tp < 1:
-        raise ConfigError("--max-requests and --tp must be at least 1, --request-timeout above 0 and "
+    if a.max_requests < 1 or a.request_timeout <= 0 or a.max_body_bytes < 1024 or a.tp < 1 or a.pp < 1:
+        raise ConfigError("--max-requests, --tp and --pp must be at least 1, --request-timeout above 0 and "
                           "--max-body-bytes at least 1024.")
     if not Path(a.model).exists():
         raise ConfigError(f"--model {a.model}: no such directory; pass a run, checkpoint or imported model directory.")
@@ -90,11 +96,14 @@ def main(argv: list[str], console: Console) -> int:
     from fourfold.serve.engine_setup import open_engine
 
     config = engine_config(a)  # checked before any process starts
-    if a.tp > 1 and "RANK" not in os.environ:
+    if a.tp > 1 and a.pp > 1:
+        raise ConfigError(f"--tp {a.tp} with --pp {a.pp}: serving does not combine tensor and pipeline parallelism "
+                          "yet; pass only one of them.")
+    if max(a.tp, a.pp) > 1 and "RANK" not in os.environ:
         from fourfold.cli.common import launch_torchrun
 
-        return launch_torchrun("serve", a.tp, argv)  # the ranks come back here, under torchrun
-    engine = open_engine(a.model, device=a.device, dtype=a.dtype, tp=a.tp, config=config)
+        return launch_torchrun("serve", max(a.tp, a.pp), argv)  # the ranks come back here, under torchrun
+    engine = open_engine(a.model, device=a.device, dtype=a.dtype, tp=a.tp, pp=a.pp, config=config)
     if engine is None:  # a follower rank: rank 0 has shut down
         return 0
     name = a.served_model_name or Path(a.model).resolve().name

@@ -46,3 +46,6 @@ class EngineConfig:
     """With overlap_steps: launch the next decode step before the previous step's tokens are read back."""
     look_ahead_max_seqs: int = setting(128, ge=0)
     """Look ahead only while at most this many sequences run (on one H200 it lost at 256: docs/benchmarks.md)."""
+    pipeline_micro_batching: bool = setting(True)
+    """Pipeline-parallel ranks: split the requests into one micro-batch per stage so every stage works at once
+    (fourfold.infer.pipeline_engine); off: one step in flight, the other stages idle while one computes."""

@@ -8,8 +8,9 @@ sampled tokens), so no rank sends the schedule: the first stage embeds the step'
 sends its hidden states (1, T, dim) to the next (point-to-point, gloo or NCCL), and the last stage's
 logits are broadcast to every rank, which all sample the same tokens (same seeded generator). The
 pool of a stage holds only its blocks' keys and values (`KVPool.first_layer`). This is the plain
-pipeline (one step in flight): it serves a model larger than one device's memory; overlapping
-micro-batches of requests across stages is not done yet.
+pipeline (one step in flight): it serves a model larger than one device's memory, but while one stage
+computes the others wait. fourfold.infer.pipeline_engine keeps every stage busy with micro-batches of
+requests; it moves its hidden states and sampled ids through `StageLink` below (non-blocking sends).
 """
 
 from __future__ import annotations
@@ -22,6 +23,62 @@ from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.model_runner import ModelRunner
 from fourfold.infer.paged_attention import PagedStep
 from fourfold.infer.step_tensors import StepTensors
+
+
+class StageLink:
+    """This rank's links in the pipeline `stage_ranks`: hidden states in from the previous stage and out to the
+    next without blocking (isend/irecv, matched by a tag: the tick their step was scheduled at), and a
+    broadcast from the last stage to every rank of `group`."""
+
+    def __init__(self, stage_ranks: list[int], group: dist.ProcessGroup, device: torch.device):
+        self.stage_ranks, self.group = stage_ranks, group
+        self.stage = stage_ranks.index(dist.get_rank())
+        self.last = len(stage_ranks) - 1
+        self.device = device
+        self.wire = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self._recvs: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+        self._sends: list[tuple[torch.Tensor, dist.Work]] = []
+
+    @staticmethod
+    def _tag(key: int) -> int:
+        return key % (1 << 20)
+
+    def post_receive(self, key: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Start receiving the previous stage's output for step `key` (once per key)."""
+        if key not in self._recvs:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            work = dist.irecv(buf, src=self.stage_ranks[self.stage - 1], group=self.group, tag=self._tag(key))
+            self._recvs[key] = (buf, work)
+
+    def receive(self, key: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The previous stage's output for step `key` (posting the receive now if it was not posted)."""
+        self.post_receive(key, shape, dtype)
+        buf, work = self._recvs.pop(key)
+        work.wait()
+        return buf
+
+    def send(self, key: int, tensor: torch.Tensor) -> None:
+        """Send this stage's output for step `key` to the next stage; returns at once (sends finished earlier
+        are reaped here, so their buffers live until the next stage has them)."""
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, dst=self.stage_ranks[self.stage + 1], group=self.group, tag=self._tag(key))
+        pending = []
+        for item in self._sends:
+            if not item[1].is_completed():
+                pending.append(item)
+        self._sends = pending + [(tensor, work)]
+
+    def from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` as the last stage holds it, on every rank (others pass a buffer of the same shape)."""
+        wire = tensor.to(self.wire)
+        dist.broadcast(wire, src=self.stage_ranks[self.last], group=self.group)
+        return wire.to(tensor.device)
+
+    def drain(self) -> None:
+        """Wait for every send still under way."""
+        for _, work in self._sends:
+            work.wait()
+        self._sends = []
 
 
 class PipelineRunner(ModelRunner):
