@@ -188,7 +188,7 @@ class PipelineEngine:
         chunks = engine.scheduler.schedule()
         if not chunks:
             return None
-        step = _Step(engine, engine.runner.prepare(chunks))
+        step = _Step(engine, engine.runner.prepare(chunks, engine.blocks.rows))
         engine.scheduler.after_step(chunks)
         for c in chunks:
             if c.samples:
@@ -225,7 +225,7 @@ class PipelineEngine:
         ids, logprobs = _unpack(self.link.from_last(packed.cpu()), params)
         engine = step.engine
         launched = (step.reqs, step.slots, ids, logprobs, ids, None)
-        return [engine._output(*a) for a in engine._read(launched)]
+        return engine.read_outputs(launched)
 
     def stats(self) -> EngineStats:
         """The virtual engines' statistics added up."""
