@@ -58,7 +58,7 @@ def plot(results: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     base = results["base"]
     for kind, style in (("int4-g{}", "o-"), ("int4-g{}-asym", "s--"), ("8da4w-g{}", "^-")):
         pts = [(g, base["ptq"][kind.format(g)]["token_ppl"]) for g in GROUPS if kind.format(g) in base["ptq"]]
@@ -78,7 +78,7 @@ def plot(results: dict, path: Path, title: str) -> None:
     ax.set_xlabel("group size (input features per scale); int4 weights")
     ax.set_ylabel("held-out token perplexity")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

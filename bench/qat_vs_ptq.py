@@ -115,7 +115,7 @@ def bench_config(a, vocab_size: int):
 
 def title(a) -> str:
     head = ", head quantized too" if a.output else ""
-    return (f"{a.device.upper()}: Llama dim {a.dim} x {a.layers} layers pretrained on {a.corpus} source{head}; "
+    return (f"{getattr(a, 'device_name', None) or a.device.upper()}: Llama dim {a.dim} x {a.layers} layers pretrained on {a.corpus} source{head}; "
             f"QAT/control {a.finetune_steps} steps")
 
 
@@ -149,7 +149,8 @@ def main() -> int:
     if a.from_results:
         results = json.loads(Path(a.from_results).read_text())
         (Path(a.from_results).parent / "table.md").write_text(markdown_tables(results))
-        plot(results, Path(a.plot), title(argparse.Namespace(**{**vars(a), **results["config"]})))
+        plot(results, Path(a.plot), title(argparse.Namespace(**{**vars(a), **results["config"],
+                                                               "device_name": results.get("device_name")})))
         return 0
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
