@@ -53,7 +53,7 @@ def plot(results: dict, path: Path, title: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        print(f"matplotlib is not installed: no plot (redo it with --from-results on a machine that has it)")
+        print("matplotlib is not installed: no plot (redo it with --from-results on a machine that has it)")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fourfold.config import build_config  # noqa: E402
 from fourfold.models.llama import Llama  # noqa: E402
-from fourfold.quant.qat import ptq  # noqa: E402
 from fourfold.quant.schemes import PRESETS  # noqa: E402
 from fourfold.tokenizer import load_tokenizer  # noqa: E402
 from fourfold.train.dataset import GlobalBatchSampler, PackedSequences, token_file  # noqa: E402
