@@ -12,6 +12,8 @@ ops are missing, nothing is packed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -28,7 +30,13 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
+    def bound(self):
+        """x -> self(x) without the module call's overhead (for loops that run it thousands of times a second)."""
+        op, packed = torch.ops.mkldnn._linear_pointwise.default, self.packed
+        return lambda x: op(x, packed, None, "none", [], "")
 
+
+@functools.cache
 def packing_works() -> bool:
     """Whether this torch build has the oneDNN ops and they agree with F.linear on a small case."""
     if not torch.backends.mkldnn.is_available():
