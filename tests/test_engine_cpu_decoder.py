@@ -137,3 +137,18 @@ def test_chunks_of_a_step_are_planned_by_kind():
     assert plan.decode[3] == 3  # three decodes in one SDPA
     assert plan.fresh == [(1, 2, 6), (20, 1, 6)]  # the two adjacent 6-token prompts batched, not the third
     assert [(a, b) for a, b, _, _ in plan.continuing] == [(14, 19)]
+
+
+def test_a_lone_decode_over_consecutive_blocks_reads_the_pool_in_place():
+    torch.manual_seed(1)
+    kc, vc = torch.randn(8, 4, 2, D, dtype=torch.float64), torch.randn(8, 4, 2, D, dtype=torch.float64)
+    q = torch.randn(1, 4, D, dtype=torch.float64)
+    lens, starts = torch.tensor([10], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    for table, in_place in (([3, 4, 5, 0], True), ([3, 5, 4, 0], False)):
+        tables = torch.tensor([table], dtype=torch.int32)
+        st = StepTensors(*(torch.zeros(1, dtype=torch.long),) * 3, tables, lens, starts, torch.zeros(0, dtype=torch.long))
+        plan = CpuStepAttention(st, 4)
+        assert (plan.single is not None) == in_place
+        want = paged_attention_reference(q, kc, vc, tables, lens, starts, D ** -0.5)
+        got = plan.attend(q, q[:, :2], q[:, :2], kc, vc, D ** -0.5)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

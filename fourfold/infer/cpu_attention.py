@@ -3,11 +3,13 @@
     plan = CpuStepAttention(st, block_size)                # host-side, once per step
     out = plan.attend(q, k, v, k_cache, v_cache, scale)    # per layer: (T, hq, d), after k, v went into the pool
 
-Three kinds of sequences, each run the cheapest way the step allows:
-- decodes (one query each) run together in one SDPA: their cached keys and values come out of the pool a
-  whole block at a time (`index_select` of block ids, one memcpy per block instead of one index per slot),
-  and each kv head's group of query heads is a short query row (no K/V repeat, no GQA expansion), with
-  a length mask;
+Four kinds of sequences, each run the cheapest way the step allows:
+- a lone decode whose blocks follow each other in the pool (the usual case at batch 1) reads its keys
+  and values as a view of the pool, with no mask;
+- other decodes (one query each) run together in one SDPA: their cached keys and values come out of the
+  pool a whole block at a time (`index_select` of block ids, one memcpy per block instead of one index
+  per slot), and each kv head's group of query heads is a short query row (no K/V repeat, no GQA
+  expansion), with a length mask;
 - fresh prefills (a chunk that starts at position 0: every key it sees is in this step) attend causally to
   this step's own k and v, never touching the pool; neighbours of equal length run as one batched SDPA;
 - continuing chunks (after earlier chunks or a prefix-cache hit) gather their blocks and use an offset
@@ -34,6 +36,13 @@ class CpuStepAttention:
         self.fresh: list[tuple[int, int, int]] = []  # (first row, sequences, tokens each): consecutive, equal length
         self.continuing: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (a, b, blocks, mask)
         decode_seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+        self.single: tuple[int, int] | None = None  # (first slot, length): one decode whose blocks are in a row
+        if len(decode_seqs) == 1 == len(lens):
+            n_blocks = -(-lens[0] // block_size)
+            first = int(st.block_tables[0, 0])
+            if st.block_tables[0, :n_blocks].tolist() == list(range(first, first + n_blocks)):
+                self.single = (first * block_size, lens[0])
+                decode_seqs = []
         if decode_seqs:
             longest = max(lens[i] for i in decode_seqs)
             n_blocks = -(-longest // block_size)
@@ -67,6 +76,12 @@ class CpuStepAttention:
         k_cache / v_cache (num_blocks, block_size, hkv, d)."""
         hq, d = q.shape[1], q.shape[2]
         hkv = k.shape[1]
+        if self.single is not None:  # the pool's rows are the sequence's keys: a view, no gather, no mask
+            first, length = self.single
+            keys = k_cache.view(-1, hkv, d)[first:first + length].transpose(0, 1)[None]  # (1, hkv, L, d)
+            values = v_cache.view(-1, hkv, d)[first:first + length].transpose(0, 1)[None]
+            return F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), keys, values,
+                                                  scale=scale).reshape(1, hq, d)
         only = len(self.fresh) + len(self.continuing) + (self.decode is not None) == 1
         out = None if only else torch.empty_like(q)
         if self.decode is not None:

@@ -7,7 +7,8 @@ packing it once (what inductor's CPU freezing pass does) saves that work each st
 2-core machine (CPU time, one thread, a 576 x 1536 SmolLM2-sized projection) 72 vs 126 us for one
 token and 82 vs 133 us for 16, results bit-identical. The engine packs a model it loaded itself (not a
 module a caller handed over) when it runs bf16 on the CPU without tensor parallelism; where the oneDNN
-ops are missing, nothing is packed.
+ops are missing, nothing is packed. The CPU step (fourfold.infer.cpu_decoder) then unpacks q, k, v and
+w1, w3 once and packs each group as one matrix.
 """
 
 from __future__ import annotations
