@@ -32,6 +32,7 @@ class CpuStepAttention:
     def __init__(self, st: StepTensors, block_size: int):
         starts, lens = st.query_start.tolist(), st.seq_lens.tolist()
         self.num_tokens = starts[-1]
+        self._masks: dict[tuple, torch.Tensor] = {}
         self.decode: tuple | None = None
         self.fresh: list[tuple[int, int, int]] = []  # (first row, sequences, tokens each): consecutive, equal length
         self.continuing: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (a, b, blocks, mask)
@@ -70,6 +71,13 @@ class CpuStepAttention:
                 q_pos = torch.arange(lens[i] - n, lens[i])
                 self.continuing.append((a, b, st.block_tables[i, :n_blocks], pos[None, :] <= q_pos[:, None]))
 
+    def _additive(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` (True: attend) as 0 / -inf in `dtype`, made once per step (SDPA would convert it every layer)."""
+        key = (id(mask), dtype)
+        if key not in self._masks:
+            self._masks[key] = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        return self._masks[key]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float) -> torch.Tensor:
         """Attention (T, hq, d) of q (T, hq, d); k, v (T, hkv, d) are this step's, already written to the pool
@@ -89,8 +97,8 @@ class CpuStepAttention:
             qd = q if q_rows is None else q[q_rows]
             keys = k_cache.index_select(0, blocks).view(n, -1, hkv, d).transpose(1, 2)  # (S, hkv, L, d)
             values = v_cache.index_select(0, blocks).view(n, -1, hkv, d).transpose(1, 2)
-            got = F.scaled_dot_product_attention(qd.reshape(n, hkv, hq // hkv, d), keys, values, attn_mask=mask,
-                                                 scale=scale).reshape(n, hq, d)
+            got = F.scaled_dot_product_attention(qd.reshape(n, hkv, hq // hkv, d), keys, values,
+                                                 attn_mask=self._additive(mask, q.dtype), scale=scale).reshape(n, hq, d)
             if out is None:
                 return got
             out[q_rows if q_rows is not None else slice(None)] = got
@@ -106,7 +114,8 @@ class CpuStepAttention:
         for a, b, blocks, mask in self.continuing:
             keys = k_cache.index_select(0, blocks).view(-1, hkv, d).transpose(0, 1)  # (hkv, L, d)
             values = v_cache.index_select(0, blocks).view(-1, hkv, d).transpose(0, 1)
-            got = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+            got = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), keys, values,
+                                                 attn_mask=self._additive(mask, q.dtype), scale=scale,
                                                  enable_gqa=hkv != hq).transpose(0, 1)
             if out is None:
                 return got

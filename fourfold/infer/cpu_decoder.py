@@ -130,6 +130,18 @@ class CpuDecoder:
         half = model.rope_sin.shape[1] // 2
         # rotate_half(x) * sin == swap_halves(x) * [-sin_1, sin_2], exactly (negation does not round)
         self.sin_signed = torch.cat([-model.rope_sin[:, :half], model.rope_sin[:, half:]], dim=1)
+        self._pool, self._caches = None, []  # per layer (k_cache, v_cache, flat k, flat v) views of the last pool
+
+    def _layer_caches(self, pool: KVPool) -> list[tuple[torch.Tensor, ...]]:
+        """Each layer's pool tensors and their (slots, hkv, d) views, made once per pool (not per step and layer)."""
+        if self._pool is not pool:
+            self._caches = []
+            for layer_idx, lay in self.layers:
+                k_cache, v_cache = pool.layer(layer_idx)
+                hkv, d = lay.n_kv_heads, lay.head_dim
+                self._caches.append((k_cache, v_cache, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)))
+            self._pool = pool
+        return self._caches
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "CpuDecoder | None":
@@ -146,7 +158,8 @@ class CpuDecoder:
         sin = self.sin_signed[st.positions].to(dtype)[:, None]
         plan = CpuStepAttention(st, pool.block_size)
         residual = x
-        for i, (layer_idx, lay) in enumerate(self.layers):
+        caches = self._layer_caches(pool)
+        for i, ((_, lay), (k_cache, v_cache, flat_k, flat_v)) in enumerate(zip(self.layers, caches)):
             hq, hkv, d = lay.n_heads, lay.n_kv_heads, lay.head_dim
             if i:
                 residual = residual + x
@@ -157,9 +170,8 @@ class CpuDecoder:
             rotated += swapped * sin
             q, k = rotated[:, :hq], rotated[:, hq:]
             v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
-            k_cache, v_cache = pool.layer(layer_idx)
-            k_cache.view(-1, hkv, d).index_copy_(0, st.slot_mapping, k)
-            v_cache.view(-1, hkv, d).index_copy_(0, st.slot_mapping, v)
+            flat_k.index_copy_(0, st.slot_mapping, k)
+            flat_v.index_copy_(0, st.slot_mapping, v)
             out = plan.attend(q, k, v, k_cache, v_cache, d ** -0.5)
             residual = residual + lay.wo(out.reshape(tokens, hq * d))
             gate_up = lay.gate_up(_rms_norm(residual, lay.ffn_norm, lay.eps))
