@@ -1,15 +1,18 @@
 """CPU generation speed: fourfold's engine vs Hugging Face `generate`, same model, prompts and lengths, bf16.
 
     python bench/generate_cpu.py --model runs/smollm2 [--hf-model DIR] [--batches 1 16] [--prompt-len 64]
-                                 [--new-tokens 64] [--dtype bf16] [--threads N] [--json out.json]
+                                 [--new-tokens 64] [--dtype bf16] [--threads N] [--repeat R] [--json out.json]
 
 `--model` is a fourfold model directory (a run, a checkpoint, or a Hugging Face import once it lands);
 the peer is `--hf-model` (the original Hugging Face directory) or, by default, a LlamaForCausalLM built
 from the same weights by renaming (fourfold's Llama uses Hugging Face's rotary layout, so nothing is
 permuted). Prompts are random token ids (one fixed seed), every sequence generates exactly
 `--new-tokens` tokens greedily (eos ignored on both sides), each engine gets one warm-up run, then the
-timed run; tok/s counts generated tokens over the wall time of the whole batch, prefill included.
-Prints one row per batch size and the ratio fourfold / HF; `--json` writes the rows.
+timed runs, fourfold and HF alternating, `--repeat` times (the best of each counts); tok/s counts
+generated tokens over the wall time of the whole batch, prefill included. Beside the wall-clock ratio it
+prints the ratio of process CPU time (user + system of all threads), which a busy shared machine
+disturbs less (with several threads it also counts threads spinning at barriers). Prints one row per
+batch size; `--json` writes the rows.
 """
 
 from __future__ import annotations
@@ -57,23 +60,25 @@ def hf_twin(model, dtype):
     return hf.to(dtype).eval()
 
 
-def time_hf(hf, prompts: torch.Tensor, new_tokens: int) -> float:
+def time_hf(hf, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of HF greedy generation of `new_tokens` for every prompt."""
     with torch.inference_mode():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     assert out.shape[1] == prompts.shape[1] + new_tokens
-    return elapsed
+    return elapsed, cpu
 
 
-def time_fourfold(llm: LLM, prompts: torch.Tensor, new_tokens: int) -> float:
+def time_fourfold(llm: LLM, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of the engine's greedy generation of `new_tokens` for every prompt."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     results = llm.generate(prompts.tolist(), params, progress=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     assert all(len(r.token_ids) == new_tokens for r in results)
-    return elapsed
+    return elapsed, cpu
 
 
 def main() -> None:
@@ -85,6 +90,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per engine and batch size (best counts)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.threads:
@@ -102,20 +108,29 @@ def main() -> None:
         hf = hf_twin(model, dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    print(f"{'batch':>5} {'fourfold tok/s':>15} {'HF tok/s':>10} {'ratio':>6}   ({a.dtype}, prompt {a.prompt_len}, "
-          f"{a.new_tokens} new, {torch.get_num_threads()} threads)")
+    print(f"{'batch':>5} {'fourfold tok/s':>15} {'HF tok/s':>10} {'ratio':>6} {'ms CPU/token ours':>18} {'HF':>7} "
+          f"{'CPU ratio':>9}   ({a.dtype}, prompt {a.prompt_len}, {a.new_tokens} new, {torch.get_num_threads()} threads)")
     for batch in a.batches:
         prompts = torch.randint(0, model.cfg.vocab_size, (batch, a.prompt_len), generator=gen)
         time_fourfold(llm, prompts, min(a.new_tokens, 4))
         time_hf(hf, prompts, min(a.new_tokens, 4))
-        ours = batch * a.new_tokens / time_fourfold(llm, prompts, a.new_tokens)
-        peer = batch * a.new_tokens / time_hf(hf, prompts, a.new_tokens)
-        rows.append({"batch": batch, "fourfold_tok_s": ours, "hf_tok_s": peer, "ratio": ours / peer})
-        print(f"{batch:>5} {ours:>15.1f} {peer:>10.1f} {ours / peer:>6.2f}")
+        ours, theirs = [], []
+        for _ in range(a.repeat):
+            ours.append(time_fourfold(llm, prompts, a.new_tokens))
+            theirs.append(time_hf(hf, prompts, a.new_tokens))
+        tokens = batch * a.new_tokens
+        wall_ours, wall_hf = min(w for w, _ in ours), min(w for w, _ in theirs)
+        cpu_ours, cpu_hf = min(c for _, c in ours), min(c for _, c in theirs)
+        row = {"batch": batch, "fourfold_tok_s": tokens / wall_ours, "hf_tok_s": tokens / wall_hf,
+               "ratio": wall_hf / wall_ours, "fourfold_cpu_ms_per_token": 1e3 * cpu_ours / tokens,
+               "hf_cpu_ms_per_token": 1e3 * cpu_hf / tokens, "cpu_ratio": cpu_hf / cpu_ours}
+        rows.append(row)
+        print(f"{batch:>5} {row['fourfold_tok_s']:>15.1f} {row['hf_tok_s']:>10.1f} {row['ratio']:>6.2f} "
+              f"{row['fourfold_cpu_ms_per_token']:>18.2f} {row['hf_cpu_ms_per_token']:>7.2f} {row['cpu_ratio']:>9.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-                       "rows": rows}, f, indent=2)
+                       "threads": torch.get_num_threads(), "repeat": a.repeat, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

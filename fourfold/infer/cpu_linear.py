@@ -7,10 +7,13 @@ packing it once (what inductor's CPU freezing pass does) saves that work each st
 2-core machine (CPU time, one thread, a 576 x 1536 SmolLM2-sized projection) 72 vs 126 us for one
 token and 82 vs 133 us for 16, results bit-identical. The engine packs a model it loaded itself (not a
 module a caller handed over) when it runs bf16 on the CPU without tensor parallelism; where the oneDNN
-ops are missing, nothing is packed.
+ops are missing, nothing is packed. The CPU step (fourfold.infer.cpu_decoder) then unpacks q, k, v and
+w1, w3 once and packs each group as one matrix.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -28,7 +31,13 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
+    def bound(self):
+        """x -> self(x) without the module call's overhead (for loops that run it thousands of times a second)."""
+        op, packed = torch.ops.mkldnn._linear_pointwise.default, self.packed
+        return lambda x: op(x, packed, None, "none", [], "")
 
+
+@functools.cache
 def packing_works() -> bool:
     """Whether this torch build has the oneDNN ops and they agree with F.linear on a small case."""
     if not torch.backends.mkldnn.is_available():

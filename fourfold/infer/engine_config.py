@@ -39,7 +39,7 @@ class EngineConfig:
     cuda_graphs: bool = setting(True)
     """On CUDA (with Triton): replay decode steps from CUDA graphs captured at padded batch sizes."""
     fused_decoder: bool = setting(True)
-    """On CUDA (with Triton): run whole models with fused q|k|v and gate|up weights and fused elementwise kernels."""
+    """Run whole models with fused q|k|v and gate|up weights: fused Triton kernels on CUDA, the packed CPU step (cpu_decoder) on CPU."""
     overlap_steps: bool = setting(True)
     """On CUDA: build a step's outputs while the next step runs on the GPU (outputs come one step later)."""
     look_ahead: bool = setting(True)

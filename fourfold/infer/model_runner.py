@@ -22,6 +22,7 @@ from torch import nn
 
 from fourfold.infer import attention_gpu
 from fourfold.infer.block_rows import BlockRows
+from fourfold.infer.cpu_decoder import CpuDecoder
 from fourfold.infer.cuda_graphs import DecodeGraphs
 from fourfold.infer.fused_decoder import FusedDecoder
 from fourfold.infer.kv_pool import KVPool
@@ -48,6 +49,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, pool: KVPool, device: torch.device, fuse: bool | None = None):
         self.model, self.pool, self.device = model, pool, device
         self.graphs: DecodeGraphs | None = None
+        self.cpu_decoder = CpuDecoder.from_model(model) if fuse is None and device.type == "cpu" else None
         if fuse is None:
             fuse = device.type == "cuda" and attention_gpu.available()
         self.fused = FusedDecoder.from_model(model) if fuse else None
@@ -133,6 +135,8 @@ class ModelRunner:
         """Logits (len(st.logits_for), vocab) of one step, model dtype; a pure function of the tensors."""
         if self.fused is not None:
             return self.fused(st, self.pool, self._attend_fn(st))
+        if self.cpu_decoder is not None:
+            return self.cpu_decoder(st, self.pool)
         step = PagedStep(self.pool, st)
         return full_logits(self.model(st.tokens[None], st.positions[None], cache=step, logits_for=st.logits_for))
 
