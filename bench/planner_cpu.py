@@ -48,11 +48,28 @@ def layout_config(name: str) -> tuple[dict, int]:
     return {k: str(v) for k, v in flat.items()}, ranks
 
 
+def live_tensor_peak(prof) -> int:
+    """The most bytes CPU tensors held at once while `prof` (profile_memory=True) ran, counted from the first
+    allocation it saw: the CPU allocator's equivalent of CUDA's max_memory_allocated."""
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def run_one(name: str, steps: int) -> None:
-    """Time `steps` trainer steps of layout `name` on this rank (under torchrun); rank 0 reports."""
+    """On this rank (under torchrun): build the trainer and take one step under the memory profiler (the peak
+    of live tensor bytes: parameters, gradients, optimizer state, activations), then one more warm-up step
+    and `steps` timed steps, each between barriers; rank 0 reports the fastest and the median step and the
+    largest peak over ranks."""
+    import statistics
     import tempfile
 
+    import torch
     import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
 
     from fourfold.config import build_config
     from fourfold.train.trainer import Trainer
@@ -60,16 +77,25 @@ def run_one(name: str, steps: int) -> None:
     flat, ranks = layout_config(name)
     cfg = build_config({}, {**flat, "train.val_every": "0", "checkpoint.every": "0",
                             "checkpoint.save_final": "false", "log.progress": "false"})
-    trainer = Trainer(cfg, tempfile.mkdtemp(prefix="planner-cpu-"))
-    trainer.train_step()
-    if dist.is_initialized():
-        dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer = Trainer(cfg, tempfile.mkdtemp(prefix="planner-cpu-"))
         trainer.train_step()
+    peak = torch.tensor(float(live_tensor_peak(prof)))
+    trainer.train_step()
+    times = []
+    for _ in range(steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        if dist.is_initialized():
+            dist.barrier()
+        times.append(time.perf_counter() - start)
     if dist.is_initialized():
-        dist.barrier()
-    report({"name": name, "world": ranks, "config": flat, "step_ms": 1000 * (time.perf_counter() - start) / steps})
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    report({"name": name, "world": ranks, "config": flat, "step_ms": 1000 * min(times),
+            "step_ms_median": 1000 * statistics.median(times), "step_ms_all": [1000 * t for t in times],
+            "peak_gib": float(peak) / 2**30, "threads": torch.get_num_threads()})
 
 
 def main() -> None:
@@ -77,7 +103,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(HERE, "results", f"{datetime.date.today()}-cpu-planner"))
     p.add_argument("--layouts", default=",".join(["1"] + LAYOUTS))
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=1, help="calibrate and measure every layout this many times")
+    p.add_argument("--quick", action="store_true", help="the quick calibration")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -86,17 +114,21 @@ def main() -> None:
     from pathlib import Path
 
     os.makedirs(args.out, exist_ok=True)
-    figures = measure("cpu")
-    write_calibration(figures, Path(args.out) / "cpu_calibration.toml")
-    rows = []
-    for name in args.layouts.split(","):
-        _, ranks = layout_config(name)
-        row = run_variant_process(__file__, name, ranks, ["--steps", str(args.steps)], timeout=600)
-        print(row, flush=True)
-        if "error" not in row:
-            rows.append(row)
-    with open(os.path.join(args.out, "planner_cpu.json"), "w") as f:
-        json.dump({"args": vars(args), "calibration": "cpu_calibration.toml", "results": rows}, f, indent=1)
+    for repeat in range(args.repeats):
+        suffix = f"_{repeat + 1}" if args.repeats > 1 else ""
+        start = time.perf_counter()
+        write_calibration(measure("cpu", quick=args.quick), Path(args.out) / f"cpu_calibration{suffix}.toml")
+        print(f"calibrated in {time.perf_counter() - start:.0f} s", flush=True)
+        rows = []
+        for name in args.layouts.split(","):
+            _, ranks = layout_config(name)
+            row = run_variant_process(__file__, name, ranks, ["--steps", str(args.steps)], timeout=600)
+            print({k: v for k, v in row.items() if k != "config"}, flush=True)
+            if "error" not in row:
+                rows.append(row)
+        with open(os.path.join(args.out, f"planner_cpu{suffix}.json"), "w") as f:
+            json.dump({"args": vars(args), "calibration": f"cpu_calibration{suffix}.toml", "results": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,246 @@
+"""`fourfold plan calibrate` on CPUs: micro-benchmarks for the [cpu] table the CPU step model reads.
+
+    table = measure_cpu(quick=False)     # {'cores': 2, 'op_overhead': ..., 'matmul_rate_1': [...], ...}
+    cpu_table_toml(table)                # the [cpu] table's TOML lines
+
+Each figure is the best (fastest) of a few repeats, so that other processes on the machine disturb it
+less; nothing here looks at a training run. Measured: the fixed cost of a dispatched op (a chain of tiny
+element-wise ops forward and backward, divided by the ops the recorder of fourfold/plan/cpu_trace.py counts),
+of a view, of one tensor in a foreach op; fp32 GEMM rates for calls from 16^3 to 1024^3 and element-wise
+rates for calls from 4 KiB to 48 MiB, on one thread and on every core; the CPU flash-attention kernel forward
+and backward; then, between two local processes on gloo: latency and bandwidth of all-reduce, all-gather,
+reduce-scatter, broadcast and send/receive, what a tensor-parallel (DTensor) linear adds to a plain one, and
+what one FSDP2 unit adds to a forward + backward.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queues
+import socket
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from fourfold.plan.cpu_costs import COLLECTIVES
+from fourfold.plan.cpu_trace import OpRecorder
+
+MATMUL_SIDES = (16, 32, 64, 128, 256, 512, 1024)
+ELEMENTWISE_NUMELS = (341, 4096, 65536, 262144, 1048576, 4194304)
+
+
+def best_seconds(fn, repeats: int = 5, inner: int = 1) -> float:
+    """The fastest of `repeats` timings of `inner` calls of `fn`, per call (after one warm-up call)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best
+
+
+def _inner(seconds_guess: float) -> int:
+    return max(1, min(2000, int(2e-3 / max(seconds_guess, 1e-7))))
+
+
+def op_overhead(repeats: int) -> float:
+    """Seconds per dispatched op of a forward + backward chain over 4-element tensors."""
+    x = torch.ones(4, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(20):
+            y = y * 1.5 + 1.0
+        y.sum().backward()
+
+    recorder = OpRecorder()
+    with recorder:
+        chain()
+    return best_seconds(chain, repeats, 20) / len(recorder.ops)
+
+
+def call_overhead(repeats: int) -> float:
+    """Seconds of one tiny op called without autograd: what the rate tables take out of each timing (the
+    step model charges `op_overhead` per op instead)."""
+    a, b = torch.ones(4), torch.ones(4)
+    return best_seconds(lambda: torch.mul(a, b), repeats, 200)
+
+
+def view_overhead(repeats: int) -> float:
+    """Seconds per view op (`t()` of a small matrix)."""
+    x = torch.ones(4, 4)
+    return best_seconds(lambda: [x.t() for _ in range(100)], repeats, 10) / 100
+
+
+def foreach_tensor(repeats: int, op_cost: float) -> float:
+    """Seconds per tensor of a foreach op over many tiny tensors (its one op cost taken out)."""
+    xs = [torch.ones(4) for _ in range(256)]
+    return max(1e-9, (best_seconds(lambda: torch._foreach_add_(xs, 1.0), repeats, 20) - op_cost) / len(xs))
+
+
+def matmul_rates(repeats: int, op_cost: float) -> tuple[list[float], list[float]]:
+    """(FLOPs per call, FLOP/s with the op cost taken out) of square fp32 GEMMs."""
+    flops, rates = [], []
+    for n in MATMUL_SIDES:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        f = 2.0 * n**3
+        t = best_seconds(lambda: a @ b, repeats, _inner(f / 1e11))
+        flops.append(f)
+        rates.append(f / max(t - op_cost, 0.1 * t))
+    return flops, rates
+
+
+def elementwise_rates(repeats: int, op_cost: float) -> tuple[list[float], list[float]]:
+    """(bytes per call: two inputs and the output, bytes/s with the op cost taken out) of fp32 multiplies."""
+    sizes, rates = [], []
+    for n in ELEMENTWISE_NUMELS:
+        a, b = torch.rand(n), torch.rand(n)
+        nbytes = 12.0 * n
+        t = best_seconds(lambda: torch.mul(a, b), repeats, _inner(nbytes / 5e9))
+        sizes.append(nbytes)
+        rates.append(nbytes / max(t - op_cost, 0.1 * t))
+    return sizes, rates
+
+
+def attention_rates(repeats: int) -> tuple[float, float]:
+    """(forward, backward) causal FLOP/s of the CPU flash-attention kernel at (4, 4, 256, 64)."""
+    q, k, v = (torch.randn(4, 4, 256, 64, requires_grad=True) for _ in range(3))
+    flops = 2.0 * q.numel() * 256
+    fwd = best_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
+
+    def both():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    total = best_seconds(both, repeats)
+    return flops / fwd, flops / max(total - fwd, 0.1 * total)
+
+
+def _gloo_worker(rank: int, port: int, repeats: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    out = {}
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the *_tensor collectives' new names
+    small, big = 8, 4 * 2**20
+    for kind in COLLECTIVES:
+        times = []
+        for nbytes in (small, big):
+            n = nbytes // 4
+            x = torch.ones(n)
+            out_t = torch.empty(2 * n)
+            half = torch.empty(max(1, n // 2))
+            calls = {
+                "all_reduce": lambda: dist.all_reduce(x),
+                "all_gather": lambda: dist.all_gather_into_tensor(out_t, x),
+                "reduce_scatter": lambda: dist.reduce_scatter_tensor(half, x),
+                "broadcast": lambda: dist.broadcast(x, 0),
+                "p2p": lambda: (dist.send(x, 1), dist.recv(x, 1)) if rank == 0 else (dist.recv(x, 0), dist.send(x, 0)),
+            }
+            dist.barrier()
+            t = best_seconds(calls[kind], repeats, 20 if nbytes == small else 2)
+            times.append(t / 2 if kind == "p2p" else t)  # p2p: one way of the round trip
+        # bytes convention of cpu_costs.COLLECTIVES: the whole tensor (all_gather's gathered output)
+        moved = {"all_gather": 2 * big}.get(kind, big)
+        out[kind] = (times[0], moved / max(times[1] - times[0], 1e-9))
+    out["tp_linear"] = _tp_linear(repeats)
+    out["fsdp_unit"] = _fsdp_unit(repeats)
+    if rank == 0:
+        queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _tp_linear(repeats: int) -> float:
+    """What a ColwiseParallel linear adds to a forward + backward over the same local plain linear."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(8, 32)
+    tp = parallelize_module(nn.Sequential(nn.Linear(32, 32, bias=False)), mesh, {"0": ColwiseParallel()})
+    plain = nn.Linear(32, 16, bias=False)
+    t_tp = best_seconds(lambda: tp(x).sum().backward(), repeats, 10)
+    t_plain = best_seconds(lambda: plain(x).sum().backward(), repeats, 10)
+    return max(1e-7, t_tp - t_plain)
+
+
+def _fsdp_unit(repeats: int) -> float:
+    """What one FSDP2 unit (a block) adds to forward + backward over the same layers unsharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    units = 4
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(8, 16)
+    plain = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(units)))
+    sharded = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(units)))
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    t_fsdp = best_seconds(lambda: sharded(x).sum().backward(), repeats, 5)
+    t_plain = best_seconds(lambda: plain(x).sum().backward(), repeats, 5)
+    return max(1e-7, (t_fsdp - t_plain) / (units + 1))
+
+
+def gloo_figures(repeats: int) -> dict:
+    """Two local processes on gloo: per collective (latency s, bandwidth bytes/s), tp_linear, fsdp_unit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = mp.start_processes(_gloo_worker, args=(port, repeats, queue), nprocs=2, start_method="spawn", join=False)
+    start = time.perf_counter()
+    while time.perf_counter() - start < 600:
+        try:
+            figures = queue.get(timeout=1)
+        except queues.Empty:
+            procs.join(timeout=0.01)  # raises when a worker died
+            continue
+        procs.join()
+        return figures
+    raise TimeoutError("the gloo calibration workers did not report within 600 s")
+
+
+def measure_cpu(quick: bool = False) -> dict:
+    """Every key of the [cpu] table (fourfold.plan.cpu_costs.CpuCosts), measured on this machine."""
+    repeats = 3 if quick else 7
+    cores = os.cpu_count() or 1
+    saved = torch.get_num_threads()
+    table: dict = {"cores": cores}
+    try:
+        torch.set_num_threads(1)
+        table["op_overhead"] = op_overhead(repeats)
+        table["view_overhead"] = view_overhead(repeats)
+        call = call_overhead(repeats)
+        table["foreach_tensor"] = foreach_tensor(repeats, call)
+        for suffix, threads in (("1", 1), ("n", cores)):
+            torch.set_num_threads(threads)
+            table["matmul_flops"], table[f"matmul_rate_{suffix}"] = matmul_rates(repeats, call)
+            table["elementwise_bytes"], table[f"elementwise_rate_{suffix}"] = elementwise_rates(repeats, call)
+            table[f"attention_fwd_{suffix}"], table[f"attention_bwd_{suffix}"] = attention_rates(repeats)
+    finally:
+        torch.set_num_threads(saved)
+    gloo = gloo_figures(repeats)
+    table["latency"] = [gloo[k][0] for k in COLLECTIVES]
+    table["bandwidth"] = [gloo[k][1] for k in COLLECTIVES]
+    table["tp_linear"] = gloo["tp_linear"]
+    table["fsdp_unit"] = gloo["fsdp_unit"]
+    return table
+
+
+def cpu_table_toml(table: dict) -> list[str]:
+    """The [cpu] table as TOML lines."""
+    lines = ["[cpu]"]
+    for key, value in table.items():
+        if isinstance(value, (list, tuple)):
+            lines.append(f"{key} = [{', '.join(f'{v:.6g}' for v in value)}]")
+        else:
+            lines.append(f"{key} = {value:.6g}" if isinstance(value, float) else f"{key} = {value}")
+    return lines
