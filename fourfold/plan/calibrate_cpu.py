@@ -6,8 +6,9 @@
 Each figure is the best (fastest) of a few repeats, so that other processes on the machine disturb it
 less; nothing here looks at a training run. Measured: the fixed cost of a dispatched op (a chain of tiny
 element-wise ops forward and backward, divided by the ops the recorder of fourfold/plan/cpu_trace.py counts),
-of a view, of one tensor in a foreach op; fp32 GEMM rates for calls from 16^3 to 1024^3 and element-wise
-rates for calls from 4 KiB to 48 MiB, on one thread and on every core; the CPU flash-attention kernel forward
+of a view, of one tensor in a foreach op; fp32 GEMM rates for calls from 16^3 to 1024^3 (the mean of the
+three operand layouts a linear uses) and element-wise rates for calls from 4 KiB to 48 MiB, on one thread
+and on every core, operands cycling through 128 MiB of buffers so that they come from memory as in a step; the CPU flash-attention kernel forward
 and backward; then, between two local processes on gloo: latency and bandwidth of all-reduce, all-gather,
 reduce-scatter, broadcast and send/receive, what a tensor-parallel (DTensor) linear adds to a plain one, and
 what one FSDP2 unit adds to a forward + backward.
@@ -80,29 +81,54 @@ def view_overhead(repeats: int) -> float:
 
 def foreach_tensor(repeats: int, op_cost: float) -> float:
     """Seconds per tensor of a foreach op over many tiny tensors (its one op cost taken out)."""
-    xs = [torch.ones(4) for _ in range(256)]
-    return max(1e-9, (best_seconds(lambda: torch._foreach_add_(xs, 1.0), repeats, 20) - op_cost) / len(xs))
+    pool = _pool(lambda: [torch.ones(4) for _ in range(256)], 4096.0)
+    return max(1e-9, (_cycled(lambda xs: torch._foreach_add_(xs, 1.0), pool, repeats, 20) - op_cost) / 256)
+
+
+COLD_BYTES = 128 * 2**20
+"""Operands cycle through buffers of this many bytes in all, more than a last-level cache holds: in a training
+step an op's inputs were written many ops earlier, so they come from memory, not from the cache."""
+
+
+def _pool(make, nbytes_each: float) -> list:
+    """Enough fresh operand sets (from `make()`) to cover COLD_BYTES, at most 4096."""
+    return [make() for _ in range(int(min(4096, max(2, COLD_BYTES // max(nbytes_each, 1)))))]
+
+
+def _cycled(fn_of, pool: list, repeats: int, calls: int) -> float:
+    """Best-of-`repeats` seconds per call of fn_of(operands), cycling through `pool`, less the cycling's own cost."""
+    state = {"i": 0}
+
+    def one(fn=fn_of):
+        fn(pool[state["i"] % len(pool)])
+        state["i"] += 1
+
+    idle = best_seconds(lambda: one(lambda _: None), repeats, 200)
+    return max(best_seconds(one, repeats, calls) - idle, 1e-9)
 
 
 def matmul_rates(repeats: int, op_cost: float) -> tuple[list[float], list[float]]:
-    """(FLOPs per call, FLOP/s with the op cost taken out) of square fp32 GEMMs."""
+    """(FLOPs per call, FLOP/s with the op cost taken out) of square fp32 GEMMs, the mean over the three operand
+    layouts a linear's forward and backward use (A B^T, A B, A^T B), operands cold."""
     flops, rates = [], []
+    layouts = (lambda ab: ab[0] @ ab[1].t(), lambda ab: ab[0] @ ab[1], lambda ab: ab[0].t() @ ab[1])
     for n in MATMUL_SIDES:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        pool = _pool(lambda: (torch.randn(n, n), torch.randn(n, n)), 8.0 * n * n)
         f = 2.0 * n**3
-        t = best_seconds(lambda: a @ b, repeats, _inner(f / 1e11))
+        t = sum(_cycled(fn, pool, repeats, _inner(f / 1e11)) for fn in layouts) / len(layouts)
         flops.append(f)
         rates.append(f / max(t - op_cost, 0.1 * t))
     return flops, rates
 
 
 def elementwise_rates(repeats: int, op_cost: float) -> tuple[list[float], list[float]]:
-    """(bytes per call: two inputs and the output, bytes/s with the op cost taken out) of fp32 multiplies."""
+    """(bytes per call: two inputs and the output, bytes/s with the op cost taken out) of fp32 multiplies,
+    operands cold."""
     sizes, rates = [], []
     for n in ELEMENTWISE_NUMELS:
-        a, b = torch.rand(n), torch.rand(n)
         nbytes = 12.0 * n
-        t = best_seconds(lambda: torch.mul(a, b), repeats, _inner(nbytes / 5e9))
+        pool = _pool(lambda: (torch.rand(n), torch.rand(n)), 8.0 * n)
+        t = _cycled(lambda ab: torch.mul(*ab), pool, repeats, _inner(nbytes / 5e9))
         sizes.append(nbytes)
         rates.append(nbytes / max(t - op_cost, 0.1 * t))
     return sizes, rates

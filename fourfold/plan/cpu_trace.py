@@ -170,6 +170,7 @@ def optimizer_ops(shapes: tuple[tuple[int, ...], ...], foreach: bool, clip: bool
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         kwargs = {**adamw_kwargs(_OptimDefaults(), torch.device("cpu")), "foreach": foreach}
         opt = torch.optim.AdamW([g for g in groups if g["params"]], **kwargs)
+        opt.step()  # the state exists from the first step on: record a later one
     recorder = OpRecorder()
     with fake, recorder:
         if clip:
