@@ -101,30 +101,34 @@ def _cycled(fn_of, pool: list, repeats: int, calls: int) -> float:
     return max(best_seconds(one, repeats, calls) - idle, 1e-9)
 
 
-def matmul_rates(repeats: int, op_cost: float) -> tuple[list[float], list[float]]:
-    """(FLOPs per call, FLOP/s with the op cost taken out) of square fp32 GEMMs, the mean over the three operand
-    layouts a linear's forward and backward use (A B^T, A B, A^T B), operands cold."""
-    flops, rates = [], []
+def matmul_rates(repeats: int, op_cost: float, threads: tuple[int, ...]) -> tuple[list[float], list[list[float]]]:
+    """(FLOPs per call, FLOP/s with the op cost taken out at each of `threads`) of square fp32 GEMMs, the mean
+    over the three operand layouts a linear's forward and backward use (A B^T, A B, A^T B), operands cold."""
+    flops, rates = [], [[] for _ in threads]
     layouts = (lambda ab: ab[0] @ ab[1].t(), lambda ab: ab[0] @ ab[1], lambda ab: ab[0].t() @ ab[1])
     for n in MATMUL_SIDES:
-        pool = _pool(lambda: (torch.randn(n, n), torch.randn(n, n)), 8.0 * n * n)
+        pool = _pool(lambda: (torch.ones(n, n), torch.ones(n, n)), 8.0 * n * n)
         f = 2.0 * n**3
-        t = sum(_cycled(fn, pool, repeats, _inner(f / 1e11)) for fn in layouts) / len(layouts)
         flops.append(f)
-        rates.append(f / max(t - op_cost, 0.1 * t))
+        for i, k in enumerate(threads):
+            torch.set_num_threads(k)
+            t = sum(_cycled(fn, pool, repeats, _inner(f / 1e11)) for fn in layouts) / len(layouts)
+            rates[i].append(f / max(t - op_cost, 0.1 * t))
     return flops, rates
 
 
-def elementwise_rates(repeats: int, op_cost: float) -> tuple[list[float], list[float]]:
-    """(bytes per call: two inputs and the output, bytes/s with the op cost taken out) of fp32 multiplies,
-    operands cold."""
-    sizes, rates = [], []
+def elementwise_rates(repeats: int, op_cost: float, threads: tuple[int, ...]) -> tuple[list[float], list[list[float]]]:
+    """(bytes per call: two inputs and the output, bytes/s with the op cost taken out at each of `threads`) of
+    fp32 multiplies, operands cold."""
+    sizes, rates = [], [[] for _ in threads]
     for n in ELEMENTWISE_NUMELS:
         nbytes = 12.0 * n
-        pool = _pool(lambda: (torch.rand(n), torch.rand(n)), 8.0 * n)
-        t = _cycled(lambda ab: torch.mul(*ab), pool, repeats, _inner(nbytes / 5e9))
+        pool = _pool(lambda: (torch.ones(n), torch.ones(n)), 8.0 * n)
         sizes.append(nbytes)
-        rates.append(nbytes / max(t - op_cost, 0.1 * t))
+        for i, k in enumerate(threads):
+            torch.set_num_threads(k)
+            t = _cycled(lambda ab: torch.mul(*ab), pool, repeats, _inner(nbytes / 5e9))
+            rates[i].append(nbytes / max(t - op_cost, 0.1 * t))
     return sizes, rates
 
 
@@ -154,10 +158,12 @@ def measure_cpu(quick: bool = False) -> dict:
         table["view_overhead"] = view_overhead(repeats)
         call = call_overhead(repeats)
         table["foreach_tensor"] = foreach_tensor(repeats, call)
-        for suffix, threads in (("1", 1), ("n", cores)):
-            torch.set_num_threads(threads)
-            table["matmul_flops"], table[f"matmul_rate_{suffix}"] = matmul_rates(repeats, call)
-            table["elementwise_bytes"], table[f"elementwise_rate_{suffix}"] = elementwise_rates(repeats, call)
+        threads = (1, cores)
+        table["matmul_flops"], (table["matmul_rate_1"], table["matmul_rate_n"]) = matmul_rates(repeats, call, threads)
+        table["elementwise_bytes"], (table["elementwise_rate_1"], table["elementwise_rate_n"]) = \
+            elementwise_rates(repeats, call, threads)
+        for suffix, k in zip(("1", "n"), threads):
+            torch.set_num_threads(k)
             table[f"attention_fwd_{suffix}"], table[f"attention_bwd_{suffix}"] = attention_rates(repeats)
     finally:
         torch.set_num_threads(saved)
