@@ -29,7 +29,9 @@ ELEMENTWISE_NUMELS = (341, 4096, 65536, 262144, 1048576, 4194304)
 
 
 def best_seconds(fn, repeats: int = 5, inner: int = 1) -> float:
-    """The fastest of `repeats` timings of `inner` calls of `fn`, per call (after one warm-up call)."""
+    """The fastest of `repeats` timings of `inner` calls of `fn`, per call (after one warm-up call). Timings are
+    kept short (a fraction of a millisecond where the call allows) and many, so that on a shared machine the
+    fastest falls in a moment no other process ran."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -41,7 +43,7 @@ def best_seconds(fn, repeats: int = 5, inner: int = 1) -> float:
 
 
 def _inner(seconds_guess: float) -> int:
-    return max(1, min(2000, int(2e-3 / max(seconds_guess, 1e-7))))
+    return max(1, min(500, int(3e-4 / max(seconds_guess, 1e-7))))
 
 
 def op_overhead(repeats: int) -> float:
@@ -57,14 +59,14 @@ def op_overhead(repeats: int) -> float:
     recorder = OpRecorder()
     with recorder:
         chain()
-    return best_seconds(chain, repeats, 20) / len(recorder.ops)
+    return best_seconds(chain, repeats, 2) / len(recorder.ops)
 
 
 def call_overhead(repeats: int) -> float:
     """Seconds of one tiny op called without autograd: what the rate tables take out of each timing (the
     step model charges `op_overhead` per op instead)."""
     a, b = torch.ones(4), torch.ones(4)
-    return best_seconds(lambda: torch.mul(a, b), repeats, 200)
+    return best_seconds(lambda: torch.mul(a, b), repeats, 50)
 
 
 def view_overhead(repeats: int) -> float:
@@ -97,7 +99,7 @@ def _cycled(fn_of, pool: list, repeats: int, calls: int) -> float:
         fn(pool[state["i"] % len(pool)])
         state["i"] += 1
 
-    idle = best_seconds(lambda: one(lambda _: None), repeats, 200)
+    idle = best_seconds(lambda: one(lambda _: None), repeats, 50)
     return max(best_seconds(one, repeats, calls) - idle, 1e-9)
 
 
@@ -148,7 +150,7 @@ def attention_rates(repeats: int) -> tuple[float, float]:
 def measure_cpu(quick: bool = False) -> dict:
     """The one-process keys of the [cpu] table (fourfold.plan.cpu_costs.CpuCosts), measured on this machine
     (fourfold.plan.calibrate_gloo.gloo_table measures the rest)."""
-    repeats = 3 if quick else 7
+    repeats = 8 if quick else 30  # many short timings: the fastest finds a moment the machine was free
     cores = os.cpu_count() or 1
     saved = torch.get_num_threads()
     table: dict = {"cores": cores}

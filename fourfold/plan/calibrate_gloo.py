@@ -46,7 +46,7 @@ def _gloo_worker(rank: int, port: int, repeats: int, queue) -> None:
                 "p2p": lambda: (dist.send(x, 1), dist.recv(x, 1)) if rank == 0 else (dist.recv(x, 0), dist.send(x, 0)),
             }
             dist.barrier()
-            t = best_seconds(calls[kind], repeats, 20 if nbytes == small else 2)
+            t = best_seconds(calls[kind], repeats, 4 if nbytes == small else 1)
             times.append(t / 2 if kind == "p2p" else t)  # p2p: one way of the round trip
         # bytes convention of cpu_costs.COLLECTIVES: the whole tensor (all_gather's gathered output)
         moved = {"all_gather": 2 * big}.get(kind, big)
@@ -68,8 +68,8 @@ def _tp_linear(repeats: int) -> float:
     x = torch.randn(8, 32)
     tp = parallelize_module(nn.Sequential(nn.Linear(32, 32, bias=False)), mesh, {"0": ColwiseParallel()})
     plain = nn.Linear(32, 16, bias=False)
-    t_tp = best_seconds(lambda: tp(x).sum().backward(), repeats, 10)
-    t_plain = best_seconds(lambda: plain(x).sum().backward(), repeats, 10)
+    t_tp = best_seconds(lambda: tp(x).sum().backward(), repeats, 2)
+    t_plain = best_seconds(lambda: plain(x).sum().backward(), repeats, 2)
     return max(1e-7, t_tp - t_plain)
 
 
@@ -86,8 +86,8 @@ def _fsdp_unit(repeats: int) -> float:
     for layer in sharded:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    t_fsdp = best_seconds(lambda: sharded(x).sum().backward(), repeats, 5)
-    t_plain = best_seconds(lambda: plain(x).sum().backward(), repeats, 5)
+    t_fsdp = best_seconds(lambda: sharded(x).sum().backward(), repeats, 1)
+    t_plain = best_seconds(lambda: plain(x).sum().backward(), repeats, 1)
     return max(1e-7, (t_fsdp - t_plain) / (units + 1))
 
 
@@ -113,6 +113,6 @@ def gloo_figures(repeats: int) -> dict:
 
 def gloo_table(quick: bool = False) -> dict:
     """The gloo keys of the [cpu] table: latency, bandwidth (in COLLECTIVES order), tp_linear, fsdp_unit."""
-    gloo = gloo_figures(3 if quick else 7)
+    gloo = gloo_figures(8 if quick else 30)
     return {"latency": [gloo[k][0] for k in COLLECTIVES], "bandwidth": [gloo[k][1] for k in COLLECTIVES],
             "tp_linear": gloo["tp_linear"], "fsdp_unit": gloo["fsdp_unit"]}
