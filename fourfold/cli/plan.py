@@ -130,7 +130,8 @@ def _calibrate(argv: list[str], console: Console) -> int:
     from fourfold.plan.hardware import calibration_path
 
     p = ArgumentParser(prog="fourfold plan calibrate", description="Measure this machine's matmul rate, memory "
-                       "bandwidth and collective bandwidth; later predictions read them.")
+                       "bandwidth and collective bandwidth (on CPUs also the per-op costs, rates by size and gloo "
+                       "latencies of the CPU step model, by micro-benchmarks); later predictions read them.")
     p.add_argument("--out", default=None, help=f"where to write (default {calibration_path()})")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="smaller problems (seconds)")
@@ -141,7 +142,9 @@ def _calibrate(argv: list[str], console: Console) -> int:
     console.print(f"{figures['name']}: fp32 matmul {figures['flops_fp32'] / 1e12:.2f} TFLOP/s, bf16 "
                   f"{figures['flops_bf16'] / 1e12:.2f} TFLOP/s, copy {figures['hbm_bandwidth'] / 1e9:.1f} GB/s"
                   + (f", all-reduce bus {link['bandwidth'] / 1e9:.2f} GB/s, latency {link['latency'] * 1e6:.0f} us"
-                     if link else "") + f"\nwrote {path}")
+                     if link else "")
+                  + (f"\nCPU step model: {cpu['op_overhead'] * 1e6:.1f} us per op, gloo all-reduce latency "
+                     f"{cpu['latency'][0] * 1e6:.0f} us" if (cpu := figures.get("cpu")) else "") + f"\nwrote {path}")
     return 0
 
 

@@ -3,10 +3,11 @@
     figures = measure(device="cpu")            # {'flops_fp32': ..., 'hbm_bandwidth': ..., 'link': {...}}
     write_calibration(figures, path)           # a hardware TOML that load_hardware() reads from then on
 
-On CPUs: float32 (and bfloat16) matmuls, a large tensor copy, and a gloo all-reduce between two local
-processes. On a GPU: the same in bf16/fp32 on the GPU, and an NCCL all-reduce when two GPUs are visible.
-The file holds one [device.NAME] table (NAME: "cpu", or the GPU kind such as "h100") and its in-node
-[link.NAME] table, which override the shipped figures for later predictions.
+On CPUs: float32 (and bfloat16) matmuls, a large tensor copy, a gloo all-reduce between two local
+processes, and the [cpu] table of fourfold/plan/calibrate_cpu.py (per-op costs, rates by call size, gloo
+latency and bandwidth per collective) that the CPU step model reads. On a GPU: the same in bf16/fp32 on the GPU, and an NCCL all-reduce when two GPUs are visible.
+The file holds one [device.NAME] table (NAME: "cpu", or the GPU kind such as "h100"), its in-node
+[link.NAME] table and on CPUs the [cpu] table, which override the shipped figures for later predictions.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fourfold.plan.calibrate_cpu import cpu_table_toml, measure_cpu
+from fourfold.plan.calibrate_gloo import gloo_table
 from fourfold.plan.hardware import DTYPE_KEYS, load_hardware
 
 GPU_KINDS = {"H200": "h200", "H100": "h100", "A100": "a100", "B200": "b200"}
@@ -110,8 +113,11 @@ def measure(device: str = "auto", quick: bool = False) -> dict:
     if backend:
         bus, latency = collective_bandwidth(backend, (8 if dev.type == "cpu" else 256) * 2**20)
         link = {"name": link_name, "bandwidth": bus, "latency": latency}
-    return {"name": name, "memory_gib": memory / 2**30, "hbm_bandwidth": bandwidth,
-            **{f"flops_{k}": flops.get(k, 0.0) for k in DTYPE_KEYS}, "intra_node": link_name, "link": link}
+    figures = {"name": name, "memory_gib": memory / 2**30, "hbm_bandwidth": bandwidth,
+               **{f"flops_{k}": flops.get(k, 0.0) for k in DTYPE_KEYS}, "intra_node": link_name, "link": link}
+    if dev.type == "cpu":
+        figures["cpu"] = {**measure_cpu(quick), **gloo_table(quick)}
+    return figures
 
 
 def write_calibration(figures: dict, path: Path) -> Path:
@@ -125,6 +131,8 @@ def write_calibration(figures: dict, path: Path) -> Path:
     if link:
         lines += ["", f"[link.{link['name']}]", f"bandwidth = {link['bandwidth']:.6g}",
                   f"latency = {link['latency']:.6g}"]
+    if figures.get("cpu"):
+        lines += [""] + cpu_table_toml(figures["cpu"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

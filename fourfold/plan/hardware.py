@@ -7,7 +7,8 @@
 The shipped table is `fourfold/plan/data/hardware.toml`; `fourfold plan calibrate` writes this machine's
 measured figures to `calibration_path()` ($FOURFOLD_CALIBRATION, else ~/.cache/fourfold/calibration.toml),
 which every later prediction reads. A file may hold any of [device.NAME], [link.NAME] and [efficiency]
-tables, whole or in part; a missing key keeps the value below it, a wrong one raises ConfigError.
+tables, whole or in part, and a [cpu] table (fourfold/plan/cpu_costs.py: the CPU's per-op costs and gloo
+figures); a missing key keeps the value below it, a wrong one raises ConfigError.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from fourfold.errors import ConfigError
+from fourfold.plan.cpu_costs import CpuCosts, check_cpu_table, cpu_costs_from
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -124,6 +126,8 @@ class Hardware:
     links: dict[str, Link]
     efficiency: Efficiency
     sources: tuple[str, ...]
+    cpu: CpuCosts | None = None
+    """The CPU's measured per-op costs and gloo figures ([cpu] table), used when the device is 'cpu'."""
 
     def device(self, name: str) -> Device:
         """The device called `name`, or a ConfigError listing the known ones."""
@@ -196,12 +200,14 @@ def load_hardware(paths: list[str | Path] | None = None, calibration: bool = Tru
     devices: dict = {}
     links: dict = {}
     eff: dict = {}
+    cpu: dict = {}
     for path in files:
         data = _read(path)
-        unknown = set(data) - {"device", "link", "efficiency"}
+        unknown = set(data) - {"device", "link", "efficiency", "cpu"}
         if unknown:
             raise ConfigError(f"Hardware file '{path}': unknown table(s) {', '.join(sorted(unknown))}; use "
-                              "[device.NAME], [link.NAME] and [efficiency].")
+                              "[device.NAME], [link.NAME], [efficiency] and [cpu].")
+        cpu.update(check_cpu_table(data.get("cpu", {}), f"{path}: cpu"))
         devices = _merge(devices, data.get("device", {}), Device, f"{path}: device")
         links = _merge(links, data.get("link", {}), Link, f"{path}: link")
         for key, value in data.get("efficiency", {}).items():
@@ -218,4 +224,5 @@ def load_hardware(paths: list[str | Path] | None = None, calibration: bool = Tru
             raise ConfigError(f"device.{n}: intra_node '{v['intra_node']}' names no [link.*] table; known: "
                               f"{', '.join(built_links)} (hardware files read: {', '.join(map(str, files))}).")
         built[n] = Device(name=n, **v)
-    return Hardware(built, built_links, Efficiency(**eff), tuple(str(f) for f in files))
+    sources = tuple(str(f) for f in files)
+    return Hardware(built, built_links, Efficiency(**eff), sources, cpu_costs_from(cpu, f"[cpu] of {', '.join(sources)}"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fourfold.config import Config
+from fourfold.plan.cpu_steptime import predict_cpu_step
 from fourfold.plan.hardware import Hardware
 from fourfold.plan.layout import rank_of
 from fourfold.plan.memory import MemoryEstimate, estimate_memory
@@ -81,7 +82,11 @@ def predict(cfg: Config, world_size: int, hw: Hardware, device: str, gpus_per_no
     """Predict `cfg` on `world_size` GPUs; `optimizer` False leaves the optimizer step out (a timed loop
     without it); `memory` False skips the memory model (the search fills it in for the fastest only)."""
     cluster = cluster_for(hw, device, gpus_per_node, interconnect)
-    step = predict_step(cfg, world_size, cluster)
+    if cluster.device.name == "cpu" and hw.cpu is not None:  # per-op costs and gloo: fourfold/plan/cpu_steptime.py
+        bf16 = cluster.device.flops("bf16") / cluster.device.flops("fp32")
+        step = predict_cpu_step(cfg, world_size, hw.cpu, bf16_speedup=bf16)
+    else:
+        step = predict_step(cfg, world_size, cluster)
     if not optimizer:
         step.seconds -= step.parts.pop("optimizer")
     est = peak_rank_memory(cfg, world_size) if memory else None
