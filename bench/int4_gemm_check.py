@@ -2,12 +2,12 @@
 
     python bench/int4_gemm_check.py --out DIR [--sweep] [--budget-s 150]
 
-Timing first, then parity. Shapes: the `llama-1b` matmuls (q|k|v 2560x2048, o 2048x2048, gate|up 11264x2048, down 2048x5632, head
-32000x2048), plain (no SiLU*mul). 1. Parity against a float32 matmul of the dequantized weights on fresh random
+Timing first (it picks the method: choice.env), then parity. Shapes: the `llama-1b` matmuls (q|k|v 2560x2048,
+o 2048x2048, gate|up 11264x2048, down 2048x5632, head 32000x2048), plain (no SiLU*mul). 1. Parity against a float32 matmul of the dequantized weights on fresh random
 inputs, ||y - ref|| / ||ref|| (bf16 output: < 1e-2), for the kernel and for Int4WeightLinear's own forward
 (which picks torch's mm or this kernel by rows: int4_gemm.TINYGEMM_ROWS), schemes int4-g128, int4-g128-asym,
-int4-g32, 8da4w-g128, at 3, 16, 300 rows. 2. Timing at 1, 4, 16, 64, 256 rows: cuBLAS F.linear (bf16 weights) vs
-torch `_weight_int4pack_mm` (tinygemm) vs int4_gemm, each a CUDA graph of R launches over R weight copies
+int4-g32, 8da4w-g128, at 3, 16, 300 rows, each of the kernel's methods (join / split / dequant). 2. Timing
+at 1, 4, 8, 16, 64, 256 rows: cuBLAS F.linear (bf16 weights) vs torch `_weight_int4pack_mm` (tinygemm) vs int4_gemm, each a CUDA graph of R launches over R weight copies
 (bench/gemv_check.graph_us: more bytes than L2 holds), median per launch in us. 3. `--sweep`: tile configs
 of int4_gemm at 16, 64, 256 rows per shape, fastest first (until --budget-s). Writes int4_gemm_check.json;
 prints tables and the cuBLAS / int4 GEMM and tinygemm / int4 GEMM ratios. Exit code 1 if a check fails.
@@ -34,7 +34,8 @@ from fourfold.quant.packing import Int4WeightLinear, int4_kernel_weight, scales_
 from fourfold.quant.schemes import scheme_by_name  # noqa: E402
 
 SCHEMES = ["int4-g128", "int4-g128-asym", "int4-g32", "8da4w-g128"]
-ROWS = (1, 4, 16, 64, 256)
+ROWS = (1, 4, 8, 16, 64, 256)
+METHODS = ("join", "split", "dequant")
 TOL = 1e-2
 DEV = torch.device("cuda")
 SWEEP = [(bm, bn, bk, w, st) for bm, bn, bk, w, st in [
@@ -59,43 +60,61 @@ def check_parity(results: list, m_list=(3, 16, 300)) -> int:
                 xq = fake_quantize_activation(x) if scheme.activation != "none" else x
                 ref = xq.float() @ w_hat.T + module.bias.float()
                 with torch.no_grad():
-                    kernel = int4_gemm.int4_gemm(xq, module.weight_int4, module.scales, module.zero_points,
-                                                 scheme.group_size, module.bias, asym=not scheme.symmetric)
-                    path = module(x)
-                for label, y in (("triton", kernel), ("module", path)):
+                    ys = [(method, int4_gemm.int4_gemm(xq, module.weight_int4, module.scales, module.zero_points,
+                                                       scheme.group_size, module.bias, asym=not scheme.symmetric,
+                                                       method=method)) for method in METHODS]
+                    ys.append(("module", module(x)))
+                for label, y in ys:
                     err = rel_err(y, ref)
                     failed += not err < TOL
                     results.append({"kernel": f"{scheme_name} {label}", "shape": name, "rows": m, "rel_err": err})
-                    print(f"{'ok  ' if err < TOL else 'FAIL'} {scheme_name:15s} {label:6s} {name:8s} x{m:<3d} "
+                    print(f"{'ok  ' if err < TOL else 'FAIL'} {scheme_name:15s} {label:7s} {name:8s} x{m:<3d} "
                           f"rel err {err:.2e}")
     return failed
 
 
 def time_cases(results: list) -> None:
-    print(f"\n{'shape':8s} {'rows':>4s} | {'cuBLAS us':>9s} | {'int4mm us':>9s} | {'gemm us':>8s} {'cfg':>24s} | "
-          f"cuBLAS/gemm int4mm/gemm")
+    print(f"\n{'shape':8s} {'rows':>4s} | {'cuBLAS':>7s} {'int4mm':>7s} | " + " ".join(f"{m:>7s}" for m in METHODS)
+          + " | cuBLAS/best int4mm/best  (us per call)")
     for name, (n, k) in SHAPES.items():
         ws = bf16_weights(n, k)
         i4, _ = int4_weights(n, k)
         tiled = [(int4_kernel_weight(p.cpu(), DEV), scales_and_zeros(s, z, torch.bfloat16)) for p, s, z in i4]
         for m in ROWS:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            cublas = [lambda w=w: F.linear(x, w) for w in ws]
-            mm = [lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], 128, t[1]) for t in tiled]
-            gemm = [lambda t=t: int4_gemm.int4_gemm(x, t[0], t[1], t[2], 128, asym=False) for t in i4]
-            row = {"shape": name, "n": n, "k": k, "rows": m, "cublas_us": graph_us(cublas),
-                   "int4mm_us": graph_us(mm), "int4_gemm_us": graph_us(gemm),
-                   "config": int4_gemm._config(m, n, 128)}
-            print(f"{name:8s} {m:4d} | {row['cublas_us']:9.2f} | {row['int4mm_us']:9.2f} | "
-                  f"{row['int4_gemm_us']:8.2f} {str(row['config']):>24s} | "
-                  f"{row['cublas_us'] / row['int4_gemm_us']:10.2f}x {row['int4mm_us'] / row['int4_gemm_us']:10.2f}x")
+            row = {"shape": name, "n": n, "k": k, "rows": m, "config": int4_gemm._config(m, n, 128),
+                   "cublas_us": graph_us([lambda w=w: F.linear(x, w) for w in ws]),
+                   "int4mm_us": graph_us([lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], 128, t[1])
+                                          for t in tiled])}
+            for method in METHODS:
+                row[f"{method}_us"] = graph_us([lambda t=t: int4_gemm.int4_gemm(x, t[0], t[1], t[2], 128, asym=False,
+                                                                                method=method) for t in i4])
+            best = min(row[f"{method}_us"] for method in METHODS)
+            print(f"{name:8s} {m:4d} | {row['cublas_us']:7.2f} {row['int4mm_us']:7.2f} | "
+                  + " ".join(f"{row[f'{method}_us']:7.2f}" for method in METHODS)
+                  + f" | {row['cublas_us'] / best:10.2f}x {row['int4mm_us'] / best:10.2f}x")
             results.append(row)
         del ws, i4, tiled
         torch.cuda.empty_cache()
 
 
-def sweep(results: list, deadline: float) -> None:
-    for m in (16, 64, 256):
+def choose(timing: list) -> dict:
+    """The fused form with the least total time at 64 and 256 rows, and the row count above which dequantizing
+    the whole weight + cuBLAS beats it (0: never), from the summed time over shapes."""
+    total = {(m, r): sum(row[f"{m}_us"] for row in timing if row["rows"] == r) for m in METHODS for r in ROWS}
+    fused = min(("join", "split"), key=lambda m: total[m, 64] + total[m, 256])
+    dequant_rows = 0
+    for prev, r in zip((int4_gemm.TINYGEMM_ROWS,) + ROWS[:-1], ROWS):
+        if r > int4_gemm.TINYGEMM_ROWS and total["dequant", r] < total[fused, r]:
+            dequant_rows = prev
+            break
+    print("summed us per row count: " + "; ".join(f"{r}: " + ", ".join(f"{m} {total[m, r]:.0f}" for m in METHODS)
+                                              for r in ROWS))
+    return {"FOURFOLD_INT4_GEMM": fused, "FOURFOLD_INT4_DEQUANT_ROWS": str(dequant_rows)}
+
+
+def sweep(results: list, deadline: float, method: str) -> None:
+    for m in (64, 256, 16):
         for name, (n, k) in SHAPES.items():
             i4, _ = int4_weights(n, k)
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
@@ -103,8 +122,8 @@ def sweep(results: list, deadline: float) -> None:
             for cfg in SWEEP:
                 if time.time() > deadline:
                     break
-                us = graph_us([lambda t=t: int4_gemm.int4_gemm(x, t[0], t[1], t[2], 128, asym=False, config=cfg)
-                               for t in i4])
+                us = graph_us([lambda t=t: int4_gemm.int4_gemm(x, t[0], t[1], t[2], 128, asym=False, config=cfg,
+                                                                   method=method) for t in i4])
                 found.append((us, cfg))
             found.sort()
             results.append({"sweep": "int4_gemm", "shape": name, "rows": m, "best": found[:5],
@@ -129,16 +148,19 @@ def main() -> int:
     torch.manual_seed(0)
     parity, timing, sweeps = [], [], []
     time_cases(timing)
-    print(f"timing done ({time.time() - start:.0f}s)")
-    failed = check_parity(parity)
-    print(f"{len(parity) - failed}/{len(parity)} parity checks passed ({time.time() - start:.0f}s)")
-    if a.sweep:
-        sweep(sweeps, start + a.budget_s)
+    choice = choose(timing)
+    print(f"timing done ({time.time() - start:.0f}s); choice: {choice}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "int4_gemm_check.json").write_text(json.dumps({
-        "torch": torch.__version__, "device": torch.cuda.get_device_name(DEV), "parity": parity,
-        "timing": timing, "sweep": sweeps}, indent=1))
+    (out / "choice.env").write_text("".join(f"{key}={value}\n" for key, value in choice.items()))
+    failed = check_parity(parity)
+    print(f"{len(parity) - failed}/{len(parity)} parity checks passed ({time.time() - start:.0f}s)")
+    for last in (False, True):
+        (out / "int4_gemm_check.json").write_text(json.dumps({
+            "torch": torch.__version__, "device": torch.cuda.get_device_name(DEV), "parity": parity,
+            "timing": timing, "choice": choice, "sweep": sweeps}, indent=1))
+        if a.sweep and not last:
+            sweep(sweeps, start + a.budget_s, choice["FOURFOLD_INT4_GEMM"])
     print(f"wrote {out / 'int4_gemm_check.json'} in {time.time() - start:.0f}s")
     return 1 if failed else 0
 

@@ -34,19 +34,21 @@ def _weights(n: int, k: int, group: int, symmetric: bool, seed: int):
     return pack_int4(q + 8), scales, zeros, w
 
 
+@pytest.mark.parametrize("method", ["join", "split", "dequant"])
 @pytest.mark.parametrize("rows,n,k,group,config,symmetric,bias", [
     (5, 40, 128, 64, (16, 16, 64, 4, 1), True, False),     # M < BLOCK_M; N = 40: the last N tile is masked
     (37, 24, 96, 32, (16, 16, 32, 4, 2), False, True),     # M not a multiple of BLOCK_M (3 M tiles), 3 groups
     (20, 48, 256, 128, (16, 32, 64, 4, 1), False, False),  # 2 k-steps per group, N tile half masked
     (3, 16, 64, 32, None, True, True),                     # the default config choice
 ])
-def test_int4_gemm_matches_dequantized_float64(rows, n, k, group, config, symmetric, bias):
+def test_int4_gemm_matches_dequantized_float64(rows, n, k, group, config, symmetric, bias, method):
     packed, scales, zeros, w = _weights(n, k, group, symmetric, seed=rows + n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     b = torch.randn(n) if bias else None
     want = x.double() @ w.T + (b.double() if bias else 0)
     dev = [t.to(DEVICE) if t is not None else None for t in (x, packed, scales, zeros, b)]
-    y = int4_gemm.int4_gemm(dev[0], dev[1], dev[2], dev[3], group, dev[4], asym=not symmetric, config=config)
+    y = int4_gemm.int4_gemm(dev[0], dev[1], dev[2], dev[3], group, dev[4], asym=not symmetric, config=config,
+                            method=method)
     assert y.shape == (rows, n) and y.dtype == x.dtype
     torch.testing.assert_close(y.double().cpu(), want, rtol=1e-5, atol=1e-3)
 

@@ -18,7 +18,10 @@ bench/int4_gemm_check.py checks it and times it against both on the llama-1b sha
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -30,44 +33,81 @@ TINYGEMM_ROWS = 4
 """On CUDA, steps of at most this many token rows use torch's `_weight_int4pack_mm`; more use int4_gemm
 (bench/int4_gemm_check.py on an H200: see bench/results/2026-11-24-h200-int4gemm/)."""
 
+METHOD = os.environ.get("FOURFOLD_INT4_GEMM", "join")
+"""The fused kernel's form: "join" (one dot per k-step) or "split" (two dots over even / odd columns of x)."""
+DEQUANT_ROWS = int(os.environ.get("FOURFOLD_INT4_DEQUANT_ROWS", "0"))
+"""Above this many rows (0: never) dequantize the whole weight to x's dtype and call cuBLAS instead."""
+
 if triton is not None:
+
+    @triton.jit
+    def _dequant_tile(p, s, z, ASYM: tl.constexpr, out_ty: tl.constexpr):
+        """Packed bytes p (int32; rows x bytes) to weights (u - 8 - z) * s in out_ty: (high, low) nibble tiles."""
+        hi = (p >> 4) - 8
+        lo = (p & 0xF) - 8
+        if ASYM:
+            hi -= z
+            lo -= z
+        return (hi.to(tl.float32) * s).to(out_ty), (lo.to(tl.float32) * s).to(out_ty)
 
     @triton.jit
     def _int4_gemm_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N,
                           stride_xm, stride_pn, stride_sn, stride_om,
                           K_STEPS: tl.constexpr, STEPS_PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          ASYM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          ASYM: tl.constexpr, JOIN: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)   # m fastest: programs sharing a weight tile run together
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < M, rn < N
         rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
         j = tl.arange(0, BLOCK_K // 2)                          # byte j of a k-step holds k = 2j (high), 2j+1 (low)
+        kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rm64[:, None] * stride_xm
-        p_cols = p_ptr + rn64[None, :] * stride_pn
         x_ty = x_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for step in range(K_STEPS):
-            byte = step * (BLOCK_K // 2) + j
-            p = tl.load(p_cols + byte[:, None], mask=n_ok[None, :], other=0x88).to(tl.int32)   # (BLOCK_K/2, BLOCK_N)
-            x_even = tl.load(x_rows + 2 * byte[None, :], mask=m_ok[:, None], other=0.0)          # (BLOCK_M, BLOCK_K/2)
-            x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=m_ok[:, None], other=0.0)
             group = step // STEPS_PER_GROUP
-            s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            hi = (p >> 4) - 8
-            lo = (p & 0xF) - 8
-            if ASYM:
-                z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32)[None, :]
-                hi -= z
-                lo -= z
-            w_hi = (hi.to(tl.float32) * s).to(x_ty)
-            w_lo = (lo.to(tl.float32) * s).to(x_ty)
-            acc = tl.dot(x_even, w_hi, acc)
-            acc = tl.dot(x_odd, w_lo, acc)
+            s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32) if ASYM else 0
+            byte = step * (BLOCK_K // 2) + j
+            if JOIN:   # weights as stored (BLOCK_N, BLOCK_K/2) -> (BLOCK_N, BLOCK_K) in k order -> one dot
+                p = tl.load(p_ptr + rn64[:, None] * stride_pn + byte[None, :], mask=n_ok[:, None], other=0x88)
+                z2 = z[:, None] if ASYM else 0
+                w_hi, w_lo = _dequant_tile(p.to(tl.int32), s[:, None], z2, ASYM, x_ty)
+                w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))
+                xv = tl.load(x_rows + step * BLOCK_K + kk[None, :], mask=m_ok[:, None], other=0.0)
+                acc = tl.dot(xv, tl.trans(w), acc)
+            else:      # (BLOCK_K/2, BLOCK_N) tiles of high and low nibbles times even and odd columns of x: two dots
+                p = tl.load(p_ptr + rn64[None, :] * stride_pn + byte[:, None], mask=n_ok[None, :], other=0x88)
+                z2 = z[None, :] if ASYM else 0
+                w_hi, w_lo = _dequant_tile(p.to(tl.int32), s[None, :], z2, ASYM, x_ty)
+                x_even = tl.load(x_rows + 2 * byte[None, :], mask=m_ok[:, None], other=0.0)
+                x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=m_ok[:, None], other=0.0)
+                acc = tl.dot(x_even, w_hi, acc)
+                acc = tl.dot(x_odd, w_lo, acc)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rm64[:, None] * stride_om + rn64[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _dequant_kernel(p_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_pn, stride_sn, G: tl.constexpr,
+                        ASYM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """w (N, K) in w's dtype = (u - 8 - z) * s, one (BLOCK_N, BLOCK_K) tile per program (BLOCK_K divides G)."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        step = tl.program_id(1)
+        n_ok = rn < N
+        rn64 = rn.to(tl.int64)
+        byte = step * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        group = (step * BLOCK_K) // G
+        s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32)[:, None] if ASYM else 0
+        p = tl.load(p_ptr + rn64[:, None] * stride_pn + byte[None, :], mask=n_ok[:, None], other=0x88)
+        w_hi, w_lo = _dequant_tile(p.to(tl.int32), s, z, ASYM, w_ptr.dtype.element_ty)
+        w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))
+        kk = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(w_ptr + rn64[:, None] * K + kk[None, :], w, mask=n_ok[:, None])
 
 
 def available() -> bool:
@@ -91,11 +131,23 @@ def _config(m: int, n: int, group_size: int) -> tuple[int, int, int, int, int]:
     return bm, bn, min(128, group_size), warps, 3
 
 
+def dequantize_int4(weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, group_size: int,
+                    dtype: torch.dtype, asym: bool = True) -> torch.Tensor:
+    """The (N, K) weight (u - 8 - z) * s in `dtype` from the stored nibbles (one Triton kernel)."""
+    n, k = weight_int4.shape[0], weight_int4.shape[1] * 2
+    bn, bk = 64, min(128, group_size)
+    w = torch.empty(n, k, device=weight_int4.device, dtype=dtype)
+    _dequant_kernel[(triton.cdiv(n, bn), k // bk)](weight_int4, scales, zero_points, w, n, k, weight_int4.stride(0),
+                                                   scales.stride(0), G=group_size, ASYM=asym, BLOCK_N=bn, BLOCK_K=bk)
+    return w
+
+
 def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
               group_size: int, bias: torch.Tensor | None = None, asym: bool = True,
-              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+              config: tuple[int, int, int, int, int] | None = None, method: str | None = None) -> torch.Tensor:
     """x (.., K) @ dequant(W).T + bias in x's dtype. `asym=False` skips the zero points (symmetric schemes);
-    `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the choice by row count."""
+    `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the choice by row count;
+    `method`: "join" / "split" (the fused kernel's forms) or "dequant" (whole weight, then cuBLAS)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -103,6 +155,11 @@ def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     m, n = x2.shape[0], weight_int4.shape[0]
     assert weight_int4.shape[1] * 2 == k and k % group_size == 0 and scales.shape == zero_points.shape
     assert scales.stride() == zero_points.stride() and weight_int4.stride(-1) == 1 and scales.stride(-1) == 1
+    method = method or ("dequant" if 0 < DEQUANT_ROWS < m else METHOD)
+    if method == "dequant":
+        w = dequantize_int4(weight_int4, scales, zero_points, group_size, x.dtype, asym)
+        y = F.linear(x2, w, None if bias is None else bias.to(x.dtype))
+        return y.reshape(*x.shape[:-1], n)
     bm, bn, bk, warps, stages = config or _config(m, n, group_size)
     assert group_size % bk == 0 and bk % 32 == 0, f"BLOCK_K {bk} must divide the group size {group_size}"
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -110,5 +167,6 @@ def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     _int4_gemm_kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, m, n,
                             x2.stride(0), weight_int4.stride(0), scales.stride(0), out.stride(0),
                             K_STEPS=k // bk, STEPS_PER_GROUP=group_size // bk, HAS_BIAS=bias is not None,
-                            ASYM=asym, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                            ASYM=asym, JOIN=method == "join", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                            num_warps=warps, num_stages=stages)
     return out.reshape(*x.shape[:-1], n)
