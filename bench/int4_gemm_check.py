@@ -2,15 +2,16 @@
 
     python bench/int4_gemm_check.py --out DIR [--sweep] [--budget-s 150]
 
-Timing first (it picks the method: choice.env), then parity. Shapes: the `llama-1b` matmuls (q|k|v 2560x2048,
-o 2048x2048, gate|up 11264x2048, down 2048x5632, head 32000x2048), plain (no SiLU*mul). 1. Parity against a float32 matmul of the dequantized weights on fresh random
-inputs, ||y - ref|| / ||ref|| (bf16 output: < 1e-2), for the kernel and for Int4WeightLinear's own forward
-(which picks torch's mm or this kernel by rows: int4_gemm.TINYGEMM_ROWS), schemes int4-g128, int4-g128-asym,
-int4-g32, 8da4w-g128, at 3, 16, 300 rows, each of the kernel's methods (join / split / dequant). 2. Timing
-at 1, 4, 8, 16, 64, 256 rows: cuBLAS F.linear (bf16 weights) vs torch `_weight_int4pack_mm` (tinygemm) vs int4_gemm, each a CUDA graph of R launches over R weight copies
-(bench/gemv_check.graph_us: more bytes than L2 holds), median per launch in us. 3. `--sweep`: tile configs
-of int4_gemm at 16, 64, 256 rows per shape, fastest first (until --budget-s). Writes int4_gemm_check.json;
-prints tables and the cuBLAS / int4 GEMM and tinygemm / int4 GEMM ratios. Exit code 1 if a check fails.
+Shapes: the `llama-1b` matmuls (q|k|v 2560x2048, o 2048x2048, gate|up 11264x2048, down 2048x5632, head
+32000x2048), plain (no SiLU*mul). 1. Timing at 1, 4, 8, 16, 64, 256 rows: cuBLAS F.linear (bf16 weights) vs
+torch `_weight_int4pack_mm` (tinygemm) vs int4_gemm's fused kernel ("fused") and its dequantize + cuBLAS path
+("dequant"), each a CUDA graph of R launches over R weight copies (gemv_check.graph_us: more bytes than L2
+holds), median per launch in us; prints the cuBLAS / best and tinygemm / best ratios and the suggested
+int4_gemm.DEQUANT_ROWS. 2. Parity against a float32 matmul of the dequantized weights on fresh random inputs,
+||y - ref|| / ||ref|| (bf16 output: < 1e-2), for both methods and for Int4WeightLinear's own forward (torch's
+mm or int4_gemm by rows: int4_gemm.TINYGEMM_ROWS), schemes int4-g128, int4-g128-asym, int4-g32, 8da4w-g128,
+at 3, 16, 300 rows. 3. `--sweep`: the fused kernel's tile configs at 64, 256, 16 rows per shape, fastest
+first (until --budget-s). Writes int4_gemm_check.json. Exit code 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from fourfold.quant.schemes import scheme_by_name  # noqa: E402
 
 SCHEMES = ["int4-g128", "int4-g128-asym", "int4-g32", "8da4w-g128"]
 ROWS = (1, 4, 8, 16, 64, 256)
-METHODS = ("join", "split", "dequant")
+METHODS = ("fused", "dequant")
 TOL = 1e-2
 DEV = torch.device("cuda")
 SWEEP = [(bm, bn, bk, w, st) for bm, bn, bk, w, st in [
@@ -99,21 +100,20 @@ def time_cases(results: list) -> None:
 
 
 def choose(timing: list) -> dict:
-    """The fused form with the least total time at 64 and 256 rows, and the row count above which dequantizing
-    the whole weight + cuBLAS beats it (0: never), from the summed time over shapes."""
+    """Per row count, the summed time over shapes of each method, and the row count above which dequantizing the
+    whole weight + cuBLAS beats the fused kernel (what int4_gemm.DEQUANT_ROWS should be; 0: it never does)."""
     total = {(m, r): sum(row[f"{m}_us"] for row in timing if row["rows"] == r) for m in METHODS for r in ROWS}
-    fused = min(("join", "split"), key=lambda m: total[m, 64] + total[m, 256])
     dequant_rows = 0
     for prev, r in zip((int4_gemm.TINYGEMM_ROWS,) + ROWS[:-1], ROWS):
-        if r > int4_gemm.TINYGEMM_ROWS and total["dequant", r] < total[fused, r]:
+        if r > int4_gemm.TINYGEMM_ROWS and total["dequant", r] < total["fused", r]:
             dequant_rows = prev
             break
     print("summed us per row count: " + "; ".join(f"{r}: " + ", ".join(f"{m} {total[m, r]:.0f}" for m in METHODS)
                                               for r in ROWS))
-    return {"FOURFOLD_INT4_GEMM": fused, "FOURFOLD_INT4_DEQUANT_ROWS": str(dequant_rows)}
+    return {"dequant_rows_suggested": dequant_rows, "dequant_rows": int4_gemm.DEQUANT_ROWS}
 
 
-def sweep(results: list, deadline: float, method: str) -> None:
+def sweep(results: list, deadline: float) -> None:
     for m in (64, 256, 16):
         for name, (n, k) in SHAPES.items():
             i4, _ = int4_weights(n, k)
@@ -123,7 +123,7 @@ def sweep(results: list, deadline: float, method: str) -> None:
                 if time.time() > deadline:
                     break
                 us = graph_us([lambda t=t: int4_gemm.int4_gemm(x, t[0], t[1], t[2], 128, asym=False, config=cfg,
-                                                                   method=method) for t in i4])
+                                                                   method="fused") for t in i4])
                 found.append((us, cfg))
             found.sort()
             results.append({"sweep": "int4_gemm", "shape": name, "rows": m, "best": found[:5],
@@ -152,7 +152,6 @@ def main() -> int:
     print(f"timing done ({time.time() - start:.0f}s); choice: {choice}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "choice.env").write_text("".join(f"{key}={value}\n" for key, value in choice.items()))
     failed = check_parity(parity)
     print(f"{len(parity) - failed}/{len(parity)} parity checks passed ({time.time() - start:.0f}s)")
     for last in (False, True):
@@ -160,7 +159,7 @@ def main() -> int:
             "torch": torch.__version__, "device": torch.cuda.get_device_name(DEV), "parity": parity,
             "timing": timing, "choice": choice, "sweep": sweeps}, indent=1))
         if a.sweep and not last:
-            sweep(sweeps, start + a.budget_s, choice["FOURFOLD_INT4_GEMM"])
+            sweep(sweeps, start + a.budget_s)
     print(f"wrote {out / 'int4_gemm_check.json'} in {time.time() - start:.0f}s")
     return 1 if failed else 0
 

@@ -34,7 +34,7 @@ def _weights(n: int, k: int, group: int, symmetric: bool, seed: int):
     return pack_int4(q + 8), scales, zeros, w
 
 
-@pytest.mark.parametrize("method", ["join", "split", "dequant"])
+@pytest.mark.parametrize("method", ["fused", "dequant"])
 @pytest.mark.parametrize("rows,n,k,group,config,symmetric,bias", [
     (5, 40, 128, 64, (16, 16, 64, 4, 1), True, False),     # M < BLOCK_M; N = 40: the last N tile is masked
     (37, 24, 96, 32, (16, 16, 32, 4, 2), False, True),     # M not a multiple of BLOCK_M (3 M tiles), 3 groups
@@ -84,3 +84,17 @@ def test_the_module_dispatches_by_rows_on_cuda_only():
     if torch.cuda.is_available():
         cuda_x = torch.randn(int4_gemm.TINYGEMM_ROWS + 1, 64, device="cuda")
         assert module.uses_gemm(cuda_x) and not module.uses_gemm(cuda_x[:int4_gemm.TINYGEMM_ROWS])
+
+
+def test_int4_gemm_dequantizes_whole_weights_above_dequant_rows(monkeypatch):
+    packed, scales, zeros, w = _weights(16, 64, 32, symmetric=False, seed=5)
+    calls = []
+    real = int4_gemm.dequantize_int4
+    monkeypatch.setattr(int4_gemm, "dequantize_int4", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(int4_gemm, "DEQUANT_ROWS", 4)
+    dev = [t.to(DEVICE) for t in (packed, scales, zeros)]
+    for rows, dequantized in ((4, 0), (5, 1)):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        y = int4_gemm.int4_gemm(x.to(DEVICE), *dev, 32, config=(16, 16, 32, 4, 1))
+        assert len(calls) == dequantized
+        torch.testing.assert_close(y.double().cpu(), x.double() @ w.T, rtol=1e-5, atol=1e-3)

@@ -2,23 +2,24 @@
 
     y = int4_gemm(x, weight_int4, scales, zero_points, group_size, bias)     # x (.., K) -> y (.., N)
 
-Weights in fourfold.quant.packing's stored layout, read as they are (no repacking, no extra memory): uint8
+Weights in fourfold.quant.packing's stored layout, read as they are (no repacking, no extra copy): uint8
 [N, K/2] holding u = q + 8 (element 2j in the high nibble, 2j+1 in the low one), scales [N, K/G], int8 zero
 points [N, K/G]; the weight is (u - 8 - z) * s. One program owns a BLOCK_M x BLOCK_N output tile and walks K
-in BLOCK_K steps; BLOCK_K divides the group size, so each k-step needs one scale (and zero point) per output
-row. A step loads BLOCK_K/2 packed bytes per output row, splits them into the high-nibble (even k) and
-low-nibble (odd k) halves, dequantizes each to x's dtype and multiplies it with the matching even / odd
-columns of x: two `tl.dot`s of depth BLOCK_K/2 into one float32 accumulator. K needs no edge mask (K is a
-multiple of the group size, hence of BLOCK_K); M and N do. The grid depends only on shapes (CUDA graphs).
+in BLOCK_K steps; BLOCK_K divides the group size, so each step needs one scale (and zero point) per output
+row. A step loads the (BLOCK_N, BLOCK_K/2) packed bytes, dequantizes high and low nibbles to x's dtype,
+interleaves them back into k order (tl.join + reshape: (BLOCK_N, BLOCK_K)) and does one `tl.dot` with the
+(BLOCK_M, BLOCK_K) tile of x into a float32 accumulator. K needs no edge mask (a multiple of the group size,
+hence of BLOCK_K); M and N do. The grid depends only on shapes, so the call can be captured in a CUDA graph.
 
-torch's tile-packed `_weight_int4pack_mm` (tinygemm) is faster at a few rows but falls far behind cuBLAS bf16
-from ~16 rows on an H200, so Int4WeightLinear runs this kernel above TINYGEMM_ROWS rows on CUDA.
-bench/int4_gemm_check.py checks it and times it against both on the llama-1b shapes.
+Above DEQUANT_ROWS rows the weight is instead dequantized whole (one Triton kernel, a transient (N, K) copy
+in x's dtype) and multiplied by cuBLAS, which was faster there. Measured on an H200 (bench/int4_gemm_check.py,
+bench/results/2026-11-24-h200-int4gemm/): torch's tile-packed `_weight_int4pack_mm` (tinygemm) wins up to
+~8 rows and then falls far behind (256 rows: 8-12x slower than this module), hence TINYGEMM_ROWS.
+An earlier form that multiplied high / low nibbles with the even / odd columns of x (two dots, strided x
+loads) was 2-10x slower than the one-dot form and was dropped.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -29,63 +30,52 @@ try:
 except ImportError:  # CPU installs: the int4 modules use torch's CPU kernel
     triton = None
 
-TINYGEMM_ROWS = 4
-"""On CUDA, steps of at most this many token rows use torch's `_weight_int4pack_mm`; more use int4_gemm
-(bench/int4_gemm_check.py on an H200: see bench/results/2026-11-24-h200-int4gemm/)."""
-
-METHOD = os.environ.get("FOURFOLD_INT4_GEMM", "join")
-"""The fused kernel's form: "join" (one dot per k-step) or "split" (two dots over even / odd columns of x)."""
-DEQUANT_ROWS = int(os.environ.get("FOURFOLD_INT4_DEQUANT_ROWS", "0"))
-"""Above this many rows (0: never) dequantize the whole weight to x's dtype and call cuBLAS instead."""
+TINYGEMM_ROWS = 8
+"""On CUDA, steps of at most this many token rows use torch's `_weight_int4pack_mm` (Int4WeightLinear); more
+use int4_gemm. H200, one llama-1b block (q|k|v + o + gate|up + down): tinygemm 40.8 us vs 57.1 us at 8 rows,
+63.4 vs 57.3 at 16 rows."""
+DEQUANT_ROWS = 64
+"""Above this many rows int4_gemm dequantizes the whole weight and calls cuBLAS (H200, the five llama-1b shapes
+summed: fused 115 vs 161 us at 64 rows, 252 vs 181 us at 256 rows)."""
 
 if triton is not None:
 
     @triton.jit
     def _dequant_tile(p, s, z, ASYM: tl.constexpr, out_ty: tl.constexpr):
-        """Packed bytes p (int32; rows x bytes) to weights (u - 8 - z) * s in out_ty: (high, low) nibble tiles."""
+        """Packed bytes p (int32, (rows, bytes)) to weights (u - 8 - z) * s in out_ty: the (high, low) nibble tiles."""
         hi = (p >> 4) - 8
         lo = (p & 0xF) - 8
         if ASYM:
             hi -= z
             lo -= z
-        return (hi.to(tl.float32) * s).to(out_ty), (lo.to(tl.float32) * s).to(out_ty)
+        w_hi = (hi.to(tl.float32) * s).to(out_ty)
+        w_lo = (lo.to(tl.float32) * s).to(out_ty)
+        return w_hi, w_lo
 
     @triton.jit
     def _int4_gemm_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N,
                           stride_xm, stride_pn, stride_sn, stride_om,
                           K_STEPS: tl.constexpr, STEPS_PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          ASYM: tl.constexpr, JOIN: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          ASYM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)   # m fastest: programs sharing a weight tile run together
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < M, rn < N
         rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
-        j = tl.arange(0, BLOCK_K // 2)                          # byte j of a k-step holds k = 2j (high), 2j+1 (low)
+        j = tl.arange(0, BLOCK_K // 2)
         kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rm64[:, None] * stride_xm
-        x_ty = x_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for step in range(K_STEPS):
             group = step // STEPS_PER_GROUP
-            s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32) if ASYM else 0
+            s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32)[:, None] if ASYM else 0
             byte = step * (BLOCK_K // 2) + j
-            if JOIN:   # weights as stored (BLOCK_N, BLOCK_K/2) -> (BLOCK_N, BLOCK_K) in k order -> one dot
-                p = tl.load(p_ptr + rn64[:, None] * stride_pn + byte[None, :], mask=n_ok[:, None], other=0x88)
-                z2 = z[:, None] if ASYM else 0
-                w_hi, w_lo = _dequant_tile(p.to(tl.int32), s[:, None], z2, ASYM, x_ty)
-                w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))
-                xv = tl.load(x_rows + step * BLOCK_K + kk[None, :], mask=m_ok[:, None], other=0.0)
-                acc = tl.dot(xv, tl.trans(w), acc)
-            else:      # (BLOCK_K/2, BLOCK_N) tiles of high and low nibbles times even and odd columns of x: two dots
-                p = tl.load(p_ptr + rn64[None, :] * stride_pn + byte[:, None], mask=n_ok[None, :], other=0x88)
-                z2 = z[None, :] if ASYM else 0
-                w_hi, w_lo = _dequant_tile(p.to(tl.int32), s[None, :], z2, ASYM, x_ty)
-                x_even = tl.load(x_rows + 2 * byte[None, :], mask=m_ok[:, None], other=0.0)
-                x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=m_ok[:, None], other=0.0)
-                acc = tl.dot(x_even, w_hi, acc)
-                acc = tl.dot(x_odd, w_lo, acc)
+            p = tl.load(p_ptr + rn64[:, None] * stride_pn + byte[None, :], mask=n_ok[:, None], other=0x88)
+            w_hi, w_lo = _dequant_tile(p.to(tl.int32), s, z, ASYM, x_ptr.dtype.element_ty)
+            w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))      # byte j -> k = 2j (high), 2j + 1 (low)
+            xv = tl.load(x_rows + step * BLOCK_K + kk[None, :], mask=m_ok[:, None], other=0.0)
+            acc = tl.dot(xv, tl.trans(w), acc)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rm64[:, None] * stride_om + rn64[None, :]
@@ -147,7 +137,7 @@ def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
               config: tuple[int, int, int, int, int] | None = None, method: str | None = None) -> torch.Tensor:
     """x (.., K) @ dequant(W).T + bias in x's dtype. `asym=False` skips the zero points (symmetric schemes);
     `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the choice by row count;
-    `method`: "join" / "split" (the fused kernel's forms) or "dequant" (whole weight, then cuBLAS)."""
+    `method`: "fused" (the GEMM kernel) or "dequant" (whole weight, then cuBLAS); default by rows (DEQUANT_ROWS)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -155,11 +145,9 @@ def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     m, n = x2.shape[0], weight_int4.shape[0]
     assert weight_int4.shape[1] * 2 == k and k % group_size == 0 and scales.shape == zero_points.shape
     assert scales.stride() == zero_points.stride() and weight_int4.stride(-1) == 1 and scales.stride(-1) == 1
-    method = method or ("dequant" if 0 < DEQUANT_ROWS < m else METHOD)
-    if method == "dequant":
+    if (method or ("dequant" if m > DEQUANT_ROWS else "fused")) == "dequant":
         w = dequantize_int4(weight_int4, scales, zero_points, group_size, x.dtype, asym)
-        y = F.linear(x2, w, None if bias is None else bias.to(x.dtype))
-        return y.reshape(*x.shape[:-1], n)
+        return F.linear(x2, w, None if bias is None else bias.to(x.dtype)).reshape(*x.shape[:-1], n)
     bm, bn, bk, warps, stages = config or _config(m, n, group_size)
     assert group_size % bk == 0 and bk % 32 == 0, f"BLOCK_K {bk} must divide the group size {group_size}"
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -167,6 +155,5 @@ def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     _int4_gemm_kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, m, n,
                             x2.stride(0), weight_int4.stride(0), scales.stride(0), out.stride(0),
                             K_STEPS=k // bk, STEPS_PER_GROUP=group_size // bk, HAS_BIAS=bias is not None,
-                            ASYM=asym, JOIN=method == "join", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                            num_warps=warps, num_stages=stages)
+                            ASYM=asym, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out.reshape(*x.shape[:-1], n)

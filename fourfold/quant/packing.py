@@ -21,10 +21,11 @@ computed during QAT, up to the kernels' float rounding. Layouts (checked on torc
 - int8: `_weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])` = x @ (w * scales).T, scales in
   x's dtype, CPU and CUDA; hence int8 schemes are symmetric.
 
-On CUDA, steps of more than int4_gemm.TINYGEMM_ROWS token rows run fourfold.quant.int4_gemm's Triton W4A16
-GEMM on the stored nibbles (torch's tiled kernel falls far behind cuBLAS bf16 from ~16 rows); steps of at
-most int4_gemv.MAX_ROWS token rows can run fourfold.quant.int4_gemv's Triton GEMV on the stored nibbles
-(0 by default: torch's tiled kernel was faster in CUDA graphs on an H200).
+On CUDA, steps of more than int4_gemm.TINYGEMM_ROWS (8) token rows run fourfold.quant.int4_gemm on the
+stored nibbles (a Triton W4A16 GEMM; above 64 rows a Triton dequantize + cuBLAS): torch's tiled kernel wins
+at a few rows but is 8-12x slower at 256 rows on an H200. Steps of at most int4_gemv.MAX_ROWS token rows
+can run fourfold.quant.int4_gemv's Triton GEMV instead (0 by default: torch's tiled kernel was faster in
+CUDA graphs on an H200).
 The 8da4w module fake-quantizes its input per token (int8, dynamic) before the int4-weight kernel: torch
 has no int8-activation x int4-weight kernel, so this reproduces the numbers, not the int8 speed-up.
 Plain torch rather than torchao: its int4 weight-only kernels need a package (mslk) that does not install.
@@ -127,7 +128,7 @@ class Int4WeightLinear(nn.Module):
         return gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS
 
     def uses_gemm(self, x: torch.Tensor) -> bool:
-        """Whether x (.., K) runs the Triton int4 GEMM (CUDA, more than int4_gemm.TINYGEMM_ROWS rows), not torch's mm."""
+        """Whether x (.., K) runs fourfold.quant.int4_gemm (CUDA, more than int4_gemm.TINYGEMM_ROWS rows)."""
         rows = x.numel() // self.in_features if self.in_features else 0
         return int4_gemm.available() and x.is_cuda and rows > int4_gemm.TINYGEMM_ROWS
 
