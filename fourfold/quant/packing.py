@@ -21,8 +21,11 @@ computed during QAT, up to the kernels' float rounding. Layouts (checked on torc
 - int8: `_weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])` = x @ (w * scales).T, scales in
   x's dtype, CPU and CUDA; hence int8 schemes are symmetric.
 
-On CUDA, steps of at most int4_gemv.MAX_ROWS token rows can run fourfold.quant.int4_gemv's Triton GEMV on
-the stored nibbles instead (0 by default: torch's tiled kernel was faster in CUDA graphs on an H200).
+On CUDA, steps of more than int4_gemm.TINYGEMM_ROWS (8) token rows run fourfold.quant.int4_gemm on the
+stored nibbles (a Triton W4A16 GEMM; above 64 rows a Triton dequantize + cuBLAS): torch's tiled kernel wins
+at a few rows but is 8-12x slower at 256 rows on an H200. Steps of at most int4_gemv.MAX_ROWS token rows
+can run fourfold.quant.int4_gemv's Triton GEMV instead (0 by default: torch's tiled kernel was faster in
+CUDA graphs on an H200).
 The 8da4w module fake-quantizes its input per token (int8, dynamic) before the int4-weight kernel: torch
 has no int8-activation x int4-weight kernel, so this reproduces the numbers, not the int8 speed-up.
 Plain torch rather than torchao: its int4 weight-only kernels need a package (mslk) that does not install.
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 
 from fourfold.errors import ConfigError
+from fourfold.quant import int4_gemm
 from fourfold.quant import int4_gemv as gemv
 from fourfold.quant.fake_quant import fake_quantize_activation, quantize_weight
 from fourfold.quant.schemes import QuantScheme, check_group_divides
@@ -123,6 +127,11 @@ class Int4WeightLinear(nn.Module):
         rows = x.numel() // self.in_features if self.in_features else 0
         return gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS
 
+    def uses_gemm(self, x: torch.Tensor) -> bool:
+        """Whether x (.., K) runs fourfold.quant.int4_gemm (CUDA, more than int4_gemm.TINYGEMM_ROWS rows)."""
+        rows = x.numel() // self.in_features if self.in_features else 0
+        return int4_gemm.available() and x.is_cuda and rows > int4_gemm.TINYGEMM_ROWS
+
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """x @ dequant(W).T + b; `gated` (GEMV path only: see uses_gemv) returns silu(first half) * second half."""
         if self.scheme.activation != "none":
@@ -134,7 +143,10 @@ class Int4WeightLinear(nn.Module):
             raise ValueError("gated int4 linears run only on the GEMV path (see uses_gemv)")
         out_dtype = x.dtype
         if x.device.type == "cuda" and x.dtype != torch.bfloat16:
-            x = x.to(torch.bfloat16)    # the CUDA kernel takes bf16 activations and scales only
+            x = x.to(torch.bfloat16)    # the CUDA kernels take bf16 activations
+        if self.uses_gemm(x):
+            return int4_gemm.int4_gemm(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size,
+                                       self.bias, asym=not self.scheme.symmetric).to(out_dtype)
         packed, sz = self._kernel_args(x)
         x2 = x.reshape(-1, self.in_features).contiguous()
         if x.device.type == "cpu":

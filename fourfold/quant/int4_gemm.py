@@ -1,0 +1,159 @@
+"""Triton W4A16 GEMM for many-token steps: bf16 activations times int4 weights dequantized in registers.
+
+    y = int4_gemm(x, weight_int4, scales, zero_points, group_size, bias)     # x (.., K) -> y (.., N)
+
+Weights in fourfold.quant.packing's stored layout, read as they are (no repacking, no extra copy): uint8
+[N, K/2] holding u = q + 8 (element 2j in the high nibble, 2j+1 in the low one), scales [N, K/G], int8 zero
+points [N, K/G]; the weight is (u - 8 - z) * s. One program owns a BLOCK_M x BLOCK_N output tile and walks K
+in BLOCK_K steps; BLOCK_K divides the group size, so each step needs one scale (and zero point) per output
+row. A step loads the (BLOCK_N, BLOCK_K/2) packed bytes, dequantizes high and low nibbles to x's dtype,
+interleaves them back into k order (tl.join + reshape: (BLOCK_N, BLOCK_K)) and does one `tl.dot` with the
+(BLOCK_M, BLOCK_K) tile of x into a float32 accumulator. K needs no edge mask (a multiple of the group size,
+hence of BLOCK_K); M and N do. The grid depends only on shapes, so the call can be captured in a CUDA graph.
+
+Above DEQUANT_ROWS rows the weight is instead dequantized whole (one Triton kernel, a transient (N, K) copy
+in x's dtype) and multiplied by cuBLAS, which was faster there. Measured on an H200 (bench/int4_gemm_check.py,
+bench/results/2026-11-24-h200-int4gemm/): torch's tile-packed `_weight_int4pack_mm` (tinygemm) wins up to
+~8 rows and then falls far behind (256 rows: 8-12x slower than this module), hence TINYGEMM_ROWS.
+An earlier form that multiplied high / low nibbles with the even / odd columns of x (two dots, strided x
+loads) was 2-10x slower than the one-dot form and was dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the int4 modules use torch's CPU kernel
+    triton = None
+
+TINYGEMM_ROWS = 8
+"""On CUDA, steps of at most this many token rows use torch's `_weight_int4pack_mm` (Int4WeightLinear); more
+use int4_gemm. H200, one llama-1b block (q|k|v + o + gate|up + down): tinygemm 40.8 us vs 57.1 us at 8 rows,
+63.4 vs 57.3 at 16 rows."""
+DEQUANT_ROWS = 64
+"""Above this many rows int4_gemm dequantizes the whole weight and calls cuBLAS (H200, the five llama-1b shapes
+summed: fused 115 vs 161 us at 64 rows, 252 vs 181 us at 256 rows)."""
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant_tile(p, s, z, ASYM: tl.constexpr, out_ty: tl.constexpr):
+        """Packed bytes p (int32, (rows, bytes)) to weights (u - 8 - z) * s in out_ty: the (high, low) nibble tiles."""
+        hi = (p >> 4) - 8
+        lo = (p & 0xF) - 8
+        if ASYM:
+            hi -= z
+            lo -= z
+        w_hi = (hi.to(tl.float32) * s).to(out_ty)
+        w_lo = (lo.to(tl.float32) * s).to(out_ty)
+        return w_hi, w_lo
+
+    @triton.jit
+    def _int4_gemm_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N,
+                          stride_xm, stride_pn, stride_sn, stride_om,
+                          K_STEPS: tl.constexpr, STEPS_PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          ASYM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)   # m fastest: programs sharing a weight tile run together
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < M, rn < N
+        rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
+        j = tl.arange(0, BLOCK_K // 2)
+        kk = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + rm64[:, None] * stride_xm
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for step in range(K_STEPS):
+            group = step // STEPS_PER_GROUP
+            s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32)[:, None] if ASYM else 0
+            byte = step * (BLOCK_K // 2) + j
+            p = tl.load(p_ptr + rn64[:, None] * stride_pn + byte[None, :], mask=n_ok[:, None], other=0x88)
+            w_hi, w_lo = _dequant_tile(p.to(tl.int32), s, z, ASYM, x_ptr.dtype.element_ty)
+            w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))      # byte j -> k = 2j (high), 2j + 1 (low)
+            xv = tl.load(x_rows + step * BLOCK_K + kk[None, :], mask=m_ok[:, None], other=0.0)
+            acc = tl.dot(xv, tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rm64[:, None] * stride_om + rn64[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _dequant_kernel(p_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_pn, stride_sn, G: tl.constexpr,
+                        ASYM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """w (N, K) in w's dtype = (u - 8 - z) * s, one (BLOCK_N, BLOCK_K) tile per program (BLOCK_K divides G)."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        step = tl.program_id(1)
+        n_ok = rn < N
+        rn64 = rn.to(tl.int64)
+        byte = step * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        group = (step * BLOCK_K) // G
+        s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32)[:, None] if ASYM else 0
+        p = tl.load(p_ptr + rn64[:, None] * stride_pn + byte[None, :], mask=n_ok[:, None], other=0x88)
+        w_hi, w_lo = _dequant_tile(p.to(tl.int32), s, z, ASYM, w_ptr.dtype.element_ty)
+        w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))
+        kk = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(w_ptr + rn64[:, None] * K + kk[None, :], w, mask=n_ok[:, None])
+
+
+def available() -> bool:
+    """Whether Triton imported, so `int4_gemm` can run (on CUDA tensors, or under TRITON_INTERPRET=1)."""
+    return triton is not None
+
+
+def _config(m: int, n: int, group_size: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by row count; BLOCK_N shrinks until the grid has
+    about one program per SM (H200: 132) so the 2048-row llama-1b matrices still fill the GPU."""
+    if m <= 16:
+        bm, bn, warps = 16, 64, 4
+    elif m <= 32:
+        bm, bn, warps = 32, 64, 4
+    elif m <= 64:
+        bm, bn, warps = 64, 64, 4
+    else:
+        bm, bn, warps = 128, 128, 8
+    while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < 132:
+        bn //= 2
+    return bm, bn, min(128, group_size), warps, 3
+
+
+def dequantize_int4(weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, group_size: int,
+                    dtype: torch.dtype, asym: bool = True) -> torch.Tensor:
+    """The (N, K) weight (u - 8 - z) * s in `dtype` from the stored nibbles (one Triton kernel)."""
+    n, k = weight_int4.shape[0], weight_int4.shape[1] * 2
+    bn, bk = 64, min(128, group_size)
+    w = torch.empty(n, k, device=weight_int4.device, dtype=dtype)
+    _dequant_kernel[(triton.cdiv(n, bn), k // bk)](weight_int4, scales, zero_points, w, n, k, weight_int4.stride(0),
+                                                   scales.stride(0), G=group_size, ASYM=asym, BLOCK_N=bn, BLOCK_K=bk)
+    return w
+
+
+def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+              group_size: int, bias: torch.Tensor | None = None, asym: bool = True,
+              config: tuple[int, int, int, int, int] | None = None, method: str | None = None) -> torch.Tensor:
+    """x (.., K) @ dequant(W).T + bias in x's dtype. `asym=False` skips the zero points (symmetric schemes);
+    `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the choice by row count;
+    `method`: "fused" (the GEMM kernel) or "dequant" (whole weight, then cuBLAS); default by rows (DEQUANT_ROWS)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], weight_int4.shape[0]
+    assert weight_int4.shape[1] * 2 == k and k % group_size == 0 and scales.shape == zero_points.shape
+    assert scales.stride() == zero_points.stride() and weight_int4.stride(-1) == 1 and scales.stride(-1) == 1
+    if (method or ("dequant" if m > DEQUANT_ROWS else "fused")) == "dequant":
+        w = dequantize_int4(weight_int4, scales, zero_points, group_size, x.dtype, asym)
+        return F.linear(x2, w, None if bias is None else bias.to(x.dtype)).reshape(*x.shape[:-1], n)
+    bm, bn, bk, warps, stages = config or _config(m, n, group_size)
+    assert group_size % bk == 0 and bk % 32 == 0, f"BLOCK_K {bk} must divide the group size {group_size}"
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _int4_gemm_kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, m, n,
+                            x2.stride(0), weight_int4.stride(0), scales.stride(0), out.stride(0),
+                            K_STEPS=k // bk, STEPS_PER_GROUP=group_size // bk, HAS_BIAS=bias is not None,
+                            ASYM=asym, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return out.reshape(*x.shape[:-1], n)

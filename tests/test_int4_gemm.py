@@ -1,0 +1,100 @@
+"""The Triton int4 GEMM (fourfold.quant.int4_gemm) against a float64 matmul of the dequantized weights, and against
+Int4WeightLinear's own CPU path on a converted layer.
+
+Without a GPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton is imported);
+small shapes keep the numpy interpreter fast. bench/int4_gemm_check.py checks the real shapes on a GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+from fourfold.quant import int4_gemm
+from fourfold.quant.fake_quant import fake_quantize_activation
+from fourfold.quant.packing import Int4WeightLinear, pack_int4
+from fourfold.quant.schemes import scheme_by_name
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    int4_gemm.triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs Triton on a GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it before triton is imported)")
+
+
+def _weights(n: int, k: int, group: int, symmetric: bool, seed: int):
+    """Random int4 values, scales, zero points; their float64 dequantized matrix (q - z) * s."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=g)
+    scales = torch.rand(n, k // group, generator=g) + 0.1
+    if symmetric:
+        zeros = torch.zeros(n, k // group, dtype=torch.int8)
+    else:
+        zeros = torch.randint(-8, 8, (n, k // group), generator=g, dtype=torch.int8)
+    w = (q.double() - zeros.double().repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
+    return pack_int4(q + 8), scales, zeros, w
+
+
+@pytest.mark.parametrize("method", ["fused", "dequant"])
+@pytest.mark.parametrize("rows,n,k,group,config,symmetric,bias", [
+    (5, 40, 128, 64, (16, 16, 64, 4, 1), True, False),     # M < BLOCK_M; N = 40: the last N tile is masked
+    (37, 24, 96, 32, (16, 16, 32, 4, 2), False, True),     # M not a multiple of BLOCK_M (3 M tiles), 3 groups
+    (20, 48, 256, 128, (16, 32, 64, 4, 1), False, False),  # 2 k-steps per group, N tile half masked
+    (3, 16, 64, 32, None, True, True),                     # the default config choice
+])
+def test_int4_gemm_matches_dequantized_float64(rows, n, k, group, config, symmetric, bias, method):
+    packed, scales, zeros, w = _weights(n, k, group, symmetric, seed=rows + n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    b = torch.randn(n) if bias else None
+    want = x.double() @ w.T + (b.double() if bias else 0)
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, packed, scales, zeros, b)]
+    y = int4_gemm.int4_gemm(dev[0], dev[1], dev[2], dev[3], group, dev[4], asym=not symmetric, config=config,
+                            method=method)
+    assert y.shape == (rows, n) and y.dtype == x.dtype
+    torch.testing.assert_close(y.double().cpu(), want, rtol=1e-5, atol=1e-3)
+
+
+def test_int4_gemm_keeps_leading_dims_and_uses_zero_points_only_when_asked():
+    packed, scales, zeros, w = _weights(32, 64, 32, symmetric=False, seed=3)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4))
+    cfg = (16, 16, 32, 4, 1)
+    y = int4_gemm.int4_gemm(x.to(DEVICE), packed.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), 32, config=cfg)
+    assert y.shape == (2, 3, 32)
+    torch.testing.assert_close(y.double().cpu(), x.double() @ w.T, rtol=1e-5, atol=1e-3)
+    no_zero = int4_gemm.int4_gemm(x.to(DEVICE), packed.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), 32,
+                                  asym=False, config=cfg)
+    assert (no_zero.cpu() - y.cpu()).abs().max() > 1e-2   # the zero points above are not all zero
+
+
+@pytest.mark.parametrize("scheme_name", ["int4-g32", "int4-g32-asym", "8da4w-g32"])
+def test_int4_gemm_on_a_converted_linear_matches_its_cpu_forward(scheme_name):
+    torch.manual_seed(0)
+    scheme = scheme_by_name(scheme_name)
+    module = Int4WeightLinear.from_float(torch.nn.Linear(64, 32, bias=True), scheme, "lin")
+    x = torch.randn(19, 64)
+    want = module(x)   # torch's CPU int4 kernel (8da4w: after the activation fake-quant)
+    xq = fake_quantize_activation(x) if scheme.activation != "none" else x
+    args = [t.to(DEVICE) for t in (xq, module.weight_int4, module.scales, module.zero_points, module.bias)]
+    y = int4_gemm.int4_gemm(*args[:4], 32, args[4], asym=not scheme.symmetric, config=(16, 16, 32, 4, 1))
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_module_dispatches_by_rows_on_cuda_only():
+    module = Int4WeightLinear.from_float(torch.nn.Linear(64, 32), scheme_by_name("int4-g32"), "lin")
+    assert not module.uses_gemm(torch.randn(64, 64))     # CPU tensors keep torch's CPU kernel
+    if torch.cuda.is_available():
+        cuda_x = torch.randn(int4_gemm.TINYGEMM_ROWS + 1, 64, device="cuda")
+        assert module.uses_gemm(cuda_x) and not module.uses_gemm(cuda_x[:int4_gemm.TINYGEMM_ROWS])
+
+
+def test_int4_gemm_dequantizes_whole_weights_above_dequant_rows(monkeypatch):
+    packed, scales, zeros, w = _weights(16, 64, 32, symmetric=False, seed=5)
+    calls = []
+    real = int4_gemm.dequantize_int4
+    monkeypatch.setattr(int4_gemm, "dequantize_int4", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(int4_gemm, "DEQUANT_ROWS", 4)
+    dev = [t.to(DEVICE) for t in (packed, scales, zeros)]
+    for rows, dequantized in ((4, 0), (5, 1)):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        y = int4_gemm.int4_gemm(x.to(DEVICE), *dev, 32, config=(16, 16, 32, 4, 1))
+        assert len(calls) == dequantized
+        torch.testing.assert_close(y.double().cpu(), x.double() @ w.T, rtol=1e-5, atol=1e-3)
