@@ -11,12 +11,18 @@ prepare (host build + uploads), forward (graph replay launch), sample, read-wait
 sampled ids' event), apply (stop checks), outputs. Side by side in one process, so the look-ahead
 and plain rows compare directly; tok/s is end to end. `--trace` also writes a torch.profiler chrome
 trace of 12 steady decode steps at the largest concurrency with look-ahead (trace_look_ahead.json).
+Every engine schedules over the same KV pool: `--num-kv-blocks`, or (0) as many blocks as the first
+engine got from gpu_memory_utilization; each row records the pool size and the preemptions, since a
+smaller pool means preemptions and more steps for the same tokens (an earlier version of this script
+sized the second engine's pool while the first engine, held by reference cycles, still had its memory:
+its look-ahead rows ran on the leftovers, 443 steps at 256 where the plain rows took 265).
 Writes engine_steps.json and engine_steps.md to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -60,7 +66,9 @@ def run(engine: LLMEngine, prompts, new_tokens: int, sync) -> tuple[float, int, 
     return time.perf_counter() - t0, tokens, steps
 
 
-def instrument(engine: LLMEngine, totals: dict) -> None:
+def instrument(engine: LLMEngine, totals: dict):
+    """Wrap the step's parts so their wall time adds up in `totals`; returns a function that undoes the
+    module-level wraps (the per-object ones go with the engine)."""
     timed(engine.scheduler, "schedule", totals, "schedule")
     timed(engine.scheduler, "after_step", totals, "schedule")
     timed(engine.runner, "prepare", totals, "prepare")
@@ -85,6 +93,10 @@ def instrument(engine: LLMEngine, totals: dict) -> None:
             totals["outputs"] += time.perf_counter() - t0
     engine_module.apply_tokens, engine_module.build_outputs = apply, outputs
 
+    def undo():
+        engine_module.apply_tokens, engine_module.build_outputs = apply_tokens, build_outputs
+    return undo
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -95,6 +107,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--num-kv-blocks", type=int, default=0,
+                        help="KV pool of every engine; 0: what the first engine gets from gpu_memory_utilization 0.6")
     parser.add_argument("--device", default="cuda", help="cpu only checks the script runs (no overlap there)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -104,23 +118,25 @@ def main() -> None:
     with torch.device(device):
         model = Llama(cfg.model).to(torch.bfloat16).eval()
     vocab = cfg.model.vocab_size
-    rows = []
+    rows, num_kv_blocks = [], args.num_kv_blocks
     for max_seqs in args.look_ahead_max_seqs:
         engine = LLMEngine.from_model(model, ByteTokenizer(), EngineConfig(
-            max_num_seqs=256, max_num_batched_tokens=4096, look_ahead_max_seqs=max_seqs, gpu_memory_utilization=0.6, kv_cache_bytes=64 << 20),
-            device)
+            max_num_seqs=256, max_num_batched_tokens=4096, look_ahead_max_seqs=max_seqs, gpu_memory_utilization=0.6,
+            kv_cache_bytes=64 << 20, num_kv_blocks=num_kv_blocks), device)
+        num_kv_blocks = engine.blocks.num_blocks  # the next engines get the same pool
         totals: dict = defaultdict(float)
-        instrument(engine, totals)
+        undo = instrument(engine, totals)
         for c in args.concurrency:
             gen = torch.Generator().manual_seed(c)
             prompts = torch.randint(0, vocab, (c, args.prompt_len), generator=gen).tolist()
             run(engine, prompts[:4], 4, sync)  # warm-up
             totals.clear()
-            before = engine.look_aheads
+            before, preempted = engine.look_aheads, engine.scheduler.preemptions
             seconds, tokens, steps = run(engine, prompts, args.new_tokens, sync)
             row = {"concurrency": c, "look_ahead_max_seqs": max_seqs, "tokens_per_s": tokens / seconds,
                    "ms_per_step": 1e3 * seconds / steps, "steps": steps,
-                   "look_aheads": engine.look_aheads - before}
+                   "look_aheads": engine.look_aheads - before, "kv_blocks": num_kv_blocks,
+                   "preemptions": engine.scheduler.preemptions - preempted}
             totals["read_wait"] -= totals["apply"]
             row.update({f"{p}_ms": 1e3 * totals[p] / steps for p in PARTS})
             row["other_ms"] = row["ms_per_step"] - sum(row[f"{p}_ms"] for p in PARTS)
@@ -128,15 +144,19 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             if args.trace and max_seqs >= c and c == max(args.concurrency):
                 trace(engine, prompts, args)
+        undo()
         del engine
+        gc.collect()  # the wrappers (and the runner's CUDA graphs) hold the engine in reference cycles
         if device.type == "cuda":
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "engine_steps.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    header = "| concurrency | look_ahead_max_seqs | tok/s | ms/step | " + " | ".join(PARTS) + " | other |"
+    header = ("| concurrency | look_ahead_max_seqs | kv blocks | steps | look-aheads | preemptions | tok/s | ms/step | "
+              + " | ".join(PARTS) + " | other |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['look_ahead_max_seqs']} | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['concurrency']} | {r['look_ahead_max_seqs']} | {r['kv_blocks']} | {r['steps']} | "
+                     f"{r['look_aheads']} | {r['preemptions']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['ms_per_step']:.3f} | " + " | ".join(f"{r[p + '_ms']:.3f}" for p in PARTS)
                      + f" | {r['other_ms']:.3f} |")
     with open(os.path.join(args.out, "engine_steps.md"), "w") as f:

@@ -25,6 +25,7 @@ rules are precomputed per request (fourfold.infer.request_state), and requests t
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 
@@ -58,9 +59,15 @@ def pool_for(model: nn.Module, cfg: EngineConfig, device: torch.device, kv_heads
     n_layers = len(model.layers)
     per_block = block_bytes(n_layers, cfg.block_size, kv_heads, mcfg.head_dim, dtype)
     num = cfg.num_kv_blocks
-    if num == 0:
-        budget = cuda_budget(device, cfg.gpu_memory_utilization) if device.type == "cuda" else cfg.kv_cache_bytes
-        num = blocks_for_budget(budget, per_block)
+    if num == 0 and device.type == "cuda":
+        # What a dropped engine held (its runner and CUDA graphs form reference cycles, so `del` alone
+        # frees nothing) and what the caching allocator keeps must count as free: collect, then give
+        # the cache back, or a second engine in one process gets a pool of the leftovers.
+        gc.collect()
+        torch.cuda.empty_cache()
+        num = blocks_for_budget(cuda_budget(device, cfg.gpu_memory_utilization), per_block)
+    elif num == 0:
+        num = blocks_for_budget(cfg.kv_cache_bytes, per_block)
     if group is not None:  # ranks that step in lockstep must schedule over the same pool size
         count = torch.tensor([num], device=device if dist.get_backend(group) == "nccl" else "cpu")
         dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)

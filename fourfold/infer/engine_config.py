@@ -44,8 +44,9 @@ class EngineConfig:
     """On CUDA: build a step's outputs while the next step runs on the GPU (outputs come one step later)."""
     look_ahead: bool = setting(True)
     """With overlap_steps: launch the next decode step before the previous step's tokens are read back."""
-    look_ahead_max_seqs: int = setting(128, ge=0)
-    """Look ahead only while at most this many sequences run (on one H200 it lost at 256: docs/benchmarks.md)."""
+    look_ahead_max_seqs: int = setting(256, ge=0)
+    """Look ahead only while at most this many sequences run (0: never). It takes the same steps as the plain
+    path at any batch (tests/test_engine_look_ahead.py); bench/engine_steps_gpu.py times both side by side."""
     pipeline_micro_batching: bool = setting(True)
     """Pipeline-parallel ranks: split the requests into one micro-batch per stage so every stage works at once
     (fourfold.infer.pipeline_engine); off: one step in flight, the other stages idle while one computes."""
