@@ -173,13 +173,13 @@ def run_fourfold(args, quant: str | None = None) -> None:
         report(row)
     if args.profile:
         try:
-            profile_decode(llm, args, vocab)
+            profile_decode(llm, args, vocab, variant)
         except Exception as e:  # the timings above are already reported
             say(f"PROGRESS decode profile failed: {e!r}")
 
 
-def profile_decode(llm, args, vocab) -> None:
-    """torch.profiler table of five decode steps at batch 1 and 64, written to --out."""
+def profile_decode(llm, args, vocab, variant: str) -> None:
+    """torch.profiler table of five decode steps at batch 1 and 64, written to --out (one file per variant and batch)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -202,11 +202,12 @@ def profile_decode(llm, args, vocab) -> None:
             table = averages.table(sort_by="device_time_total", row_limit=25)
         except Exception:  # older profilers name the column after CUDA
             table = averages.table(sort_by="cuda_time_total", row_limit=25)
-        with open(os.path.join(args.out, f"decode_profile_b{batch}.txt"), "w") as f:
-            f.write(f"fourfold decode, batch {batch}, 5 engine steps (sampling and scheduling included)\n{table}\n")
+        name = f"decode_profile_{variant}_b{batch}.txt"
+        with open(os.path.join(args.out, name), "w") as f:
+            f.write(f"{variant} decode, batch {batch}, 5 engine steps (sampling and scheduling included)\n{table}\n")
         while engine.has_unfinished():
             engine.step()
-        say(f"PROGRESS wrote decode_profile_b{batch}.txt")
+        say(f"PROGRESS wrote {name}")
 
 
 def run_fourfold_prefix(args) -> None:
