@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from fourfold.config import Config
 from fourfold.layout import data_parallel_strategy, grad_accumulation_steps, layout_sizes
-from fourfold.models.llama import parameter_counts
+from fourfold.models.llama import training_flops_per_token
 from fourfold.parallel.fsdp import block_reshards_after_forward
 from fourfold.parallel.tensor_plan import block_plan, outer_plan
 from fourfold.plan.cpu_costs import CpuCosts
@@ -198,6 +198,5 @@ def predict_cpu_step(cfg: Config, world_size: int, costs: CpuCosts, bf16_speedup
     parts["sync"] = sync
     seconds = body + dp_comm + parts["optimizer"] + sync
     tokens_step = t.global_batch * t.seq_len
-    _, non_embedding = parameter_counts(m)
-    flops = tokens_step * (6.0 * non_embedding + 12.0 * m.n_layers * m.dim * t.seq_len)
+    flops = tokens_step * training_flops_per_token(m, t.seq_len)
     return StepTime(seconds, parts, tokens_step, flops)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from fourfold.config import Config
 from fourfold.layout import DIM_ORDER, data_parallel_strategy, grad_accumulation_steps, layout_sizes
-from fourfold.models.llama import parameter_counts
+from fourfold.models.llama import training_flops_per_token
 from fourfold.parallel.pipeline.schedules import SCHEDULES
 from fourfold.parallel.pipeline.split import stage_layer_counts
 from fourfold.plan.hardware import Device, Efficiency, Hardware, Link
@@ -306,6 +306,5 @@ def predict_step(cfg: Config, world_size: int, cluster: Cluster) -> StepTime:
     parts["overhead"] = STEP_OVERHEAD_S
     seconds = body + dp_comm + parts["optimizer"] + STEP_OVERHEAD_S
     tokens = t.global_batch * t.seq_len
-    _, non_embedding = parameter_counts(m)
-    flops = tokens * (6.0 * non_embedding + 12.0 * m.n_layers * m.dim * t.seq_len)
+    flops = tokens * training_flops_per_token(m, t.seq_len)
     return StepTime(seconds, parts, tokens, flops)
