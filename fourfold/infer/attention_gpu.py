@@ -24,17 +24,11 @@ tests run the kernel on CPU under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # CPU installs: the engine uses the torch reference instead.
-    triton = None
+from fourfold.ops.triton_launch import pdl, triton
 
 SPLIT_TARGET_PROGRAMS = 1024
 """Decode splits the KV range until about this many programs run (several per SM on an H100/H200: at 64
@@ -47,40 +41,14 @@ def available() -> bool:
     return triton is not None
 
 
-_pdl_devices: dict = {}
-
-
-def pdl(device: torch.device) -> bool:
-    """Whether this module's and fused_ops'/gemv_gpu's kernels launch with programmatic dependent launch on
-    `device` (Hopper or newer, not under TRITON_INTERPRET). Then each kernel lets the next one start while
-    it runs (`pdl_signal`) and waits for the previous one (`pdl_wait`) before it reads what that one wrote
-    or writes anything, so launch latency and the GEMVs' first weight loads overlap the previous kernel;
-    captured CUDA graphs keep these edges. FOURFOLD_PDL=0 turns it off."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FOURFOLD_PDL") == "0":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _pdl_devices:
-        _pdl_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _pdl_devices[index]
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 if triton is not None:
+    import triton.language as tl
 
-    @triton.jit
-    def pdl_signal(PDL: tl.constexpr):
-        """Let the next kernel launch now (it waits in pdl_wait); a no-op unless launched with PDL."""
-        if PDL:
-            gdc_launch_dependents()
-
-    @triton.jit
-    def pdl_wait(PDL: tl.constexpr):
-        """Wait until the previous kernel has finished and its writes are visible."""
-        if PDL:
-            gdc_wait()
+    from fourfold.ops.triton_launch import pdl_signal, pdl_wait
 
     @triton.jit
     def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,

@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fourfold.infer.attention_gpu import pdl, triton
+from fourfold.ops.triton_launch import pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from fourfold.infer.attention_gpu import pdl_signal, pdl_wait
+    from fourfold.ops.triton_launch import pdl_signal, pdl_wait
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, dim, eps,

@@ -7,7 +7,7 @@ cuBLAS runs the 1.1B model's batch-1 matmuls at 1.4-3.7 TB/s on an H200 (the sma
 decode step's weight read is far from bandwidth. Here one program owns BLOCK_N consecutive output rows and
 one token row of x: it walks K in BLOCK_K-wide tiles with 16-byte loads, multiplies in float32 and keeps
 elementwise partial sums, reducing once at the end. On Hopper it launches with programmatic dependent
-launch (fourfold.infer.attention_gpu.pdl): the first weight tile is loaded before waiting for the kernel
+launch (fourfold.ops.triton_launch.pdl): the first weight tile is loaded before waiting for the kernel
 that produced x, so the load latency overlaps the previous (small) kernel. Measured on an H200 in CUDA
 graphs at one row (bench/gemv_check.py): q|k|v 3.3 us vs cuBLAS 6.3, o 3.1 vs 6.2, gate|up with SiLU*mul
 11.9 vs 15.6 + 1.3, down 7.4 vs 11.2, head 31.0 vs 35.7 (2.7-4.2 TB/s). Programs for the M token rows of one weight tile are
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fourfold.infer.attention_gpu import pdl, triton
+from fourfold.ops.triton_launch import pdl, triton
 from fourfold.infer.fused_ops import silu_mul
 
 MAX_ROWS = 2
@@ -34,7 +34,7 @@ it still beats cuBLAS on q|k|v, o and gate|up, at 4 on none; each row costs abou
 if triton is not None:
     import triton.language as tl
 
-    from fourfold.infer.attention_gpu import pdl_signal, pdl_wait
+    from fourfold.ops.triton_launch import pdl_signal, pdl_wait, swiglu_rounded
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, stride_xm, stride_wn, stride_om, up_offset,
@@ -79,9 +79,7 @@ if triton is not None:
             up = tl.sum(acc_up, axis=1)
             if HAS_BIAS:
                 up = up + tl.load(b_ptr + up_offset + rows, mask=row_ok, other=0.0).to(tl.float32)
-            g = y.to(out_ty).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-            y = act * up.to(out_ty).to(tl.float32)
+            y = swiglu_rounded(y, up, out_ptr)
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ty), mask=row_ok)
 
 

@@ -24,11 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs: the int4 modules use torch's CPU kernel
-    triton = None
+from fourfold.ops.triton_launch import triton
 
 TINYGEMM_ROWS = 8
 """On CUDA, steps of at most this many token rows use torch's `_weight_int4pack_mm` (Int4WeightLinear); more
@@ -39,6 +35,7 @@ DEQUANT_ROWS = 64
 summed: fused 115 vs 161 us at 64 rows, 252 vs 181 us at 256 rows)."""
 
 if triton is not None:
+    import triton.language as tl
 
     @triton.jit
     def _dequant_tile(p, s, z, ASYM: tl.constexpr, out_ty: tl.constexpr):

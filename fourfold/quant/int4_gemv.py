@@ -20,16 +20,9 @@ it is not on the decode path; kept for the gated (SiLU*mul) form and as the base
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # CPU installs: the int4 modules use torch's CPU kernel
-    triton = None
+from fourfold.ops.triton_launch import pdl, triton
 
 MAX_ROWS = 0
 """Up to this many token rows (on CUDA) use this kernel; more use torch's tile-packed `_weight_int4pack_mm`.
@@ -37,12 +30,9 @@ MAX_ROWS = 0
 q|k|v 4.0 vs 5.5 us, down 6.6 vs 10.7 us at one row), so the converted model decodes through it."""
 
 if triton is not None:
+    import triton.language as tl
 
-    @triton.jit
-    def _pdl_start(PDL: tl.constexpr):
-        if PDL:  # let the next kernel launch; wait for the previous one (see _pdl)
-            gdc_launch_dependents()
-            gdc_wait()
+    from fourfold.ops.triton_launch import pdl_signal, pdl_wait, swiglu_rounded
 
     @triton.jit
     def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, stride_xm, stride_pn,
@@ -50,7 +40,8 @@ if triton is not None:
                           N_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr,
                           G: tl.constexpr, GPI: tl.constexpr,
                           BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-        _pdl_start(PDL)
+        pdl_signal(PDL)
+        pdl_wait(PDL)
         m, pid_n = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
@@ -96,18 +87,8 @@ if triton is not None:
             up = tl.sum(acc_up, axis=1)
             if HAS_BIAS:
                 up = up + tl.load(b_ptr + up_offset + rows, mask=row_ok, other=0.0).to(tl.float32)
-            g = y.to(out_ty).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-            y = act * up.to(out_ty).to(tl.float32)
+            y = swiglu_rounded(y, up, out_ptr)
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ty), mask=row_ok)
-
-
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch on Hopper+ (as fourfold.infer.attention_gpu.pdl: the kernel waits for the
-    previous one before reading anything, so launch latency overlaps it); off under TRITON_INTERPRET or FOURFOLD_PDL=0."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FOURFOLD_PDL") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def available() -> bool:
@@ -142,5 +123,5 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     _int4_gemv_kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, n, x2.stride(0),
                             weight_int4.stride(0), scales.stride(0), out.stride(0), n, N_GROUPS=groups,
                             HAS_BIAS=bias is not None, GATED=gated, ASYM=asym, G=group_size, GPI=gpi,
-                            BLOCK_N=block_n, PDL=_pdl(x.device), num_warps=warps, launch_pdl=_pdl(x.device))
+                            BLOCK_N=block_n, PDL=pdl(x.device), num_warps=warps, launch_pdl=pdl(x.device))
     return out.reshape(*x.shape[:-1], n)
