@@ -1,1 +1,1 @@
-"""Numerical building blocks used by training: losses and (optional) fused kernels."""
+"""Numerical building blocks: losses and what the (optional) Triton kernels share."""
