@@ -146,7 +146,7 @@ def build_engine(args, variant: str):
     device = env.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype = torch.bfloat16
+    dtype = getattr(torch, args.dtype)  # the checkpoint is bf16; float32 upcasts it exactly (a parity run)
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        cuda_graphs=args.graphs == "on", kv_cache_bytes=args.kv_cache_bytes,
                        **engine_overrides(args.engine))
@@ -282,7 +282,7 @@ def summarize(rows: list[dict], args) -> tuple[dict, str]:
         if a and b:
             ratios[f"{num}/{den} batch-1 ms/step"] = a / b
     par = parity(rows)
-    lines = [f"`{args.preset}` bf16, random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
+    lines = [f"`{args.preset}` {args.dtype}, random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
              f"device {args.device}; tokens/s end to end (prefill included).", "",
              "| variant | " + " | ".join(f"c={c} tok/s" for c in args.concurrency) + " | batch-1 ms/step |",
              "|---|" + "---:|" * (len(args.concurrency) + 1)]
@@ -318,6 +318,8 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/fourfold-generate-parallel")
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="engine dtype; float32 makes the greedy parity check free of bf16 near-ties")
     ap.add_argument("--variants", default="tp1,tp2,pp2,pp2one")
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -343,7 +345,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.workdir, exist_ok=True)
     args.child_argv = ["--workdir", args.workdir, "--preset", args.preset, "--device", args.device,
-                       "--concurrency", ",".join(map(str, args.concurrency)), "--prompt-len", str(args.prompt_len),
+                       "--dtype", args.dtype, "--concurrency", ",".join(map(str, args.concurrency)), "--prompt-len", str(args.prompt_len),
                        "--new-tokens", str(args.new_tokens), "--max-num-seqs", str(args.max_num_seqs),
                        "--max-batched-tokens", str(args.max_batched_tokens),
                        "--kv-cache-bytes", str(args.kv_cache_bytes)]
