@@ -13,6 +13,10 @@ as Triton GEMVs (fourfold.infer.gemv_gpu), the gate|up one with SiLU*mul in its 
 too. Converted int4 models (fourfold.quant Int4WeightLinear in every block linear) fuse the same way, their
 packed nibbles, scales and zero points stacked by rows, and run the module's own kernels (torch's int4 mm,
 or fourfold.quant.int4_gemv with SiLU*mul fused where its MAX_ROWS allows).
+Decode steps of such a model with weight-only int4 linears (no activation quantization) go further: each
+RMSNorm runs in the prologue of the GEMV that reads it and each residual add in the epilogue of the GEMV
+before it, so a layer is q|k|v, rotary, attention, o (+ residual), gate|up (norm, SiLU*mul), down (+ residual):
+no add+RMSNorm kernels (INT4_FUSED_NORMS).
 Tensor-parallel (DTensor weights) and pipeline-stage models are left alone (`from_model` returns None)
 and run the model's own forward.
 """
@@ -30,6 +34,10 @@ from fourfold.infer.gemv_gpu import gemv_triton, use_gemv
 from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.step_tensors import StepTensors
 from fourfold.quant.packing import Int4WeightLinear
+
+INT4_FUSED_NORMS = True
+"""Int4 weight-only models at decode (rows within fourfold.quant.int4_gemv.MAX_ROWS): norms and residual adds
+inside the int4 GEMVs (False: the separate add+RMSNorm kernels, as for bf16)."""
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q (T, hq, d), k_cache, v_cache) -> (T, hq, d): attention over the already-written pool."""
@@ -140,6 +148,9 @@ class FusedDecoder:
     def __init__(self, model: nn.Module):
         self.model = model
         self.blocks = [(int(name), _FusedBlock(block)) for name, block in model.layers.items()]
+        self.int4_weight_only = all(
+            lin.packed is not None and lin.packed.scheme.activation == "none"
+            for _, b in self.blocks for lin in (b.qkv, b.wo, b.gate_up, b.w2))
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FusedDecoder | None":
@@ -152,6 +163,8 @@ class FusedDecoder:
         m = self.model
         x = m.tok_embeddings(st.tokens)  # (T, dim)
         cos, sin = m.rope_cos, m.rope_sin
+        if INT4_FUSED_NORMS and self.int4_weight_only and self.blocks and self.blocks[0][1].qkv.packed.uses_gemv(x):
+            return self._int4_decode(x, st, pool, attend)
         residual = None
         for layer_idx, b in self.blocks:
             normed, residual = add_rms_norm(x, residual, b.attn_norm, b.eps)
@@ -166,4 +179,20 @@ class FusedDecoder:
         h = (x + residual)[st.logits_for]
         h, _ = add_rms_norm(h, None, m.norm.weight, m.norm.eps)
         head = m.output  # looked up per step: CPU runs may repack it (fourfold.infer.cpu_linear)
+        return _Linear(head.weight, head.bias)(h) if type(head) is nn.Linear else head(h)
+
+    def _int4_decode(self, h: torch.Tensor, st: StepTensors, pool: KVPool, attend: Attend) -> torch.Tensor:
+        """The step of an int4 weight-only model through GEMVs that carry the norms and residual adds; h: embeddings."""
+        m = self.model
+        for layer_idx, b in self.blocks:
+            qkv = b.qkv.packed.decode(h, norm_weight=b.attn_norm, eps=b.eps)
+            k_cache, v_cache = pool.layer(layer_idx)
+            q = rotary_kv_write(qkv, st.positions, m.rope_cos, m.rope_sin, k_cache, v_cache, st.slot_mapping,
+                                b.n_heads, b.n_kv_heads)
+            out = attend(layer_idx, q, k_cache, v_cache)
+            h = b.wo.packed.decode(out.reshape(out.shape[0], -1), residual=h)
+            act = b.gate_up.packed.decode(h, gated=True, norm_weight=b.ffn_norm, eps=b.eps)
+            h = b.w2.packed.decode(act, residual=h)
+        h, _ = add_rms_norm(h[st.logits_for], None, m.norm.weight, m.norm.eps)
+        head = m.output
         return _Linear(head.weight, head.bias)(h) if type(head) is nn.Linear else head(h)
