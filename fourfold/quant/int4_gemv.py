@@ -24,6 +24,8 @@ depends only on shapes, so calls can be captured in CUDA graphs. With `residual`
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fourfold.ops.triton_launch import pdl, triton
@@ -32,18 +34,25 @@ MAX_ROWS = 2
 """Up to this many token rows (on CUDA) use this kernel; more use torch's `_weight_int4pack_mm` (up to
 int4_gemm.TINYGEMM_ROWS) or fourfold.quant.int4_gemm. Measured in bench/int4_gemv_check.py on an H200."""
 
+USE_ASM = True
+"""On CUDA, the nibble's mask-and-OR is one inline-PTX lop3 (the interpreter runs the plain Triton ops)."""
+
 if triton is not None:
     import triton.language as tl
 
     from fourfold.ops.triton_launch import pdl_signal, pdl_wait, swiglu_rounded
 
     @triton.jit
-    def _nibble(p, i: tl.constexpr):
-        """Nibble i (bits 4i..4i+3) of int32 words p as the float 1 + u/16, exactly: shift to bits 19..22, OR 1.0."""
+    def _nibble(p, i: tl.constexpr, ASM: tl.constexpr):
+        """Nibble i (bits 4i..4i+3) of int32 words p as the float 1 + u/16, exactly: shift to bits 19..22, OR 1.0.
+        ASM: the mask and the OR as one lop3 (ptxas emits two LOP3s for `(b & m) | c` with two immediates)."""
         if i <= 4:
             bits = p << (19 - 4 * i)
         else:
             bits = p >> (4 * i - 19)
+        if ASM:
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x780000, 0x3F800000, 0xea;", "=r,r", [bits],
+                                             dtype=tl.float32, is_pure=True, pack=1)
         return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
@@ -62,7 +71,7 @@ if triton is not None:
                           stride_sn, stride_rm, stride_om, up_offset, eps,
                           K: tl.constexpr, G: tl.constexpr, KC: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_RES: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr, NORM: tl.constexpr,
-                          KP: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                          KP: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         pdl_signal(PDL)
         m, pid_n = tl.program_id(0), tl.program_id(1)
         W: tl.constexpr = KC // 8          # packed words per row per chunk
@@ -115,9 +124,9 @@ if triton is not None:
                         nwi = tl.load(nw_ptr + x_off + i * GW, mask=w_ok, other=0.0).to(tl.float32)
                     xi = (xi * rstd * nwi).to(x_ty).to(tl.float32)
                 xs += xi
-                dot += _nibble(p, i) * xi[None, :]
+                dot += _nibble(p, i, ASM) * xi[None, :]
                 if GATED:
-                    dot_up += _nibble(pu, i) * xi[None, :]
+                    dot_up += _nibble(pu, i, ASM) * xi[None, :]
             # scale and zero point once per (row, group): each group's words summed first
             xs_g = tl.sum(tl.reshape(xs, (GC, GW)), axis=1)
             sz = rows64[:, None] * stride_sn + it * GC + gc[None, :]
@@ -210,5 +219,7 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
                             x2.stride(0), words.stride(0), scales.stride(0), res.stride(0) if res is not None else 0,
                             out.stride(0), n, eps, K=k, G=group_size, KC=kc, HAS_BIAS=bias is not None,
                             HAS_RES=res is not None, GATED=gated, ASYM=asym, NORM=norm_weight is not None,
-                            KP=triton.next_power_of_2(k), BLOCK_N=block_n, PDL=pdl(x.device), num_warps=warps, launch_pdl=pdl(x.device))
+                            KP=triton.next_power_of_2(k), BLOCK_N=block_n,
+                            ASM=USE_ASM and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+                            PDL=pdl(x.device), num_warps=warps, launch_pdl=pdl(x.device))
     return out.reshape(*x.shape[:-1], n)
