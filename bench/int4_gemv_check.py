@@ -85,8 +85,7 @@ def sweep(results: list, deadline: float) -> dict:
 
     best = {}
     shapes = {"qkv": (QKV, DIM), "o": (DIM, DIM), "gate_up": (2 * FFN, DIM), "down": (DIM, FFN)}
-    configs = [(bn, 1024 * wp, wp) for wp in (1, 2) for bn in (4, 8, 16)] + [(8, 512, 1), (4, 512, 1), (16, 2048, 4),
-                                                                               (2, 1024, 1)]
+    configs = [(bn, kc, max(1, min(16, bn * kc // 1024))) for kc in (1024, 2048, 512) for bn in (2, 4, 8, 1)]
     for name, (n, k) in shapes.items():
         gated = name == "gate_up"
         x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)

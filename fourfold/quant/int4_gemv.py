@@ -63,8 +63,8 @@ if triton is not None:
         s = tl.load(s_ptr + sz, mask=s_ok, other=0.0).to(tl.float32)
         if ASYM:   # the 1.0 parts, the offset 8 and the zero point
             c = (tl.load(z_ptr + sz, mask=s_ok, other=0).to(tl.float32) + 24.0) * 0.0625
-            return s * (dot_g - c * xs_g[None, :])
-        return s * (dot_g - (xs_g * 1.5)[None, :])
+            return s * (dot_g - c * xs_g)
+        return s * (dot_g - xs_g * 1.5)
 
     @triton.jit
     def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, N, stride_xm, stride_wn,
@@ -106,10 +106,12 @@ if triton is not None:
             p_next = tl.load(w_rows + (it + 1) * W, mask=next_ok, other=0)
             if GATED:
                 pu_next = tl.load(u_rows + (it + 1) * W, mask=next_ok, other=0)
-            # x slice of nibble plane i, for every word: group of the word, plane offset, word within group
+            # x slice of nibble plane i for every word (group of the word, plane offset, word within group), as a
+            # (BLOCK_N, W) tile like the weights': the same layout, so no shuffles through shared memory
             x_off = tl.max_contiguous(tl.multiple_of(it * KC + (w // GW) * G + (w % GW), 4), 4)
-            w_ok = it * W + w < K // 8
-            xs = tl.zeros([W], dtype=tl.float32)          # sum of x over each word's 8 elements
+            x_off = x_off[None, :] + tl.zeros([BLOCK_N, W], dtype=tl.int32)
+            w_ok = (it * W + w < K // 8)[None, :] & row_ok[:, None]
+            xs = tl.zeros([BLOCK_N, W], dtype=tl.float32)          # sum of x over each word's 8 elements
             dot = tl.zeros([BLOCK_N, W], dtype=tl.float32)
             dot_up = tl.zeros([BLOCK_N, W], dtype=tl.float32)
             for i in tl.static_range(8):
@@ -124,11 +126,11 @@ if triton is not None:
                         nwi = tl.load(nw_ptr + x_off + i * GW, mask=w_ok, other=0.0).to(tl.float32)
                     xi = (xi * rstd * nwi).to(x_ty).to(tl.float32)
                 xs += xi
-                dot += _nibble(p, i, ASM) * xi[None, :]
+                dot += _nibble(p, i, ASM) * xi
                 if GATED:
-                    dot_up += _nibble(pu, i, ASM) * xi[None, :]
+                    dot_up += _nibble(pu, i, ASM) * xi
             # scale and zero point once per (row, group): each group's words summed first
-            xs_g = tl.sum(tl.reshape(xs, (GC, GW)), axis=1)
+            xs_g = tl.sum(tl.reshape(xs, (BLOCK_N, GC, GW)), axis=2)
             sz = rows64[:, None] * stride_sn + it * GC + gc[None, :]
             s_ok = row_ok[:, None] & (it * GC + gc < K // G)[None, :]
             acc += _group_terms(dot, s_ptr, z_ptr, sz, s_ok, xs_g, BLOCK_N, GC, GW, ASYM)
@@ -180,11 +182,11 @@ def unpack_planes(words: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def _config(n: int, k: int, group_size: int) -> tuple[int, int, int]:
     """(BLOCK_N, KC elements per chunk, num_warps) at one row: bench/int4_gemv_check.py's sweep on an H200.
-    KC = 1024 per warp keeps x's plane slices in the weight tile's layout (4 words a thread, no shuffles
-    through shared memory); a chunk past K is cut at K."""
-    warps = 1
-    kc = max(group_size, min(1024 * warps, triton.next_power_of_2(k)))
-    return 8, kc, warps
+    num_warps = BLOCK_N * KC / 1024 gives each thread 4 words (32 weights) of one row per chunk: many short
+    warps rather than few long ones (a GEMV of a few MB is latency-bound); a chunk past K is cut at K."""
+    block_n = 4
+    kc = max(group_size, min(1024, triton.next_power_of_2(k)))
+    return block_n, kc, max(1, min(16, block_n * kc // 1024))
 
 
 def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
