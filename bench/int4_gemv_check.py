@@ -8,7 +8,8 @@ gated (SiLU*mul), residual-add and RMSNorm-prologue forms, through Int4WeightLin
 2. One decoder layer's matmul work at one row, as the engine runs it, each in a CUDA graph over 12 layers'
 weights (more than L2 holds): (a) bf16 Triton GEMVs + add+RMSNorm kernels (the bf16 model's path); (b) torch's
 int4 mm (tinygemm) + add+RMSNorm + SiLU*mul kernels (the int4 path before); (c) the int4 GEMV with separate
-norms; (d) the int4 GEMV with norms and residual adds fused (the int4 path now). Per-kernel times of the int4
+norms; (d) norms and residual adds fused, each norm prologue reducing the row itself; (e) as (d) with the
+rows' sums of squares handed from GEMV to GEMV (the int4 path now). Per-kernel times of the int4
 GEMV at 1..8 rows against tinygemm: bench/gemv_check.py. 3. `--sweep-s S`: tile configs at one row per shape.
 Writes int4_gemv_check.json.
 """
@@ -148,16 +149,25 @@ def layer_timing(results: list, layers: int = 12) -> None:
         normed, res = add_rms_norm(x, res, nw, 1e-5)
         L["down"].decode(L["gu"].decode(normed, gated=True))
 
-    def fused_layer(L):
+    def rowpass_layer(L):   # each norm prologue reduces the whole row itself
         L["qkv"].decode(x0, norm_weight=nw)
         h = L["o"].decode(att, residual=x0)
         L["down"].decode(L["gu"].decode(h, gated=True, norm_weight=nw), residual=h)
+
+    sumsq = torch.zeros(3, 1, device=DEV)
+
+    def fused_layer(L):     # as the engine runs it: sums of squares handed from GEMV to GEMV
+        L["qkv"].decode(x0, norm_weight=nw, sumsq_in=sumsq[0])
+        h = L["o"].decode(att, residual=x0, sumsq_out=sumsq[1])
+        L["down"].decode(L["gu"].decode(h, gated=True, norm_weight=nw, sumsq_in=sumsq[1]), residual=h,
+                         sumsq_out=sumsq[2])
 
     from fourfold.quant import int4_gemv
     saved = int4_gemv.MAX_ROWS
     row = {}
     for name, fn, weights in (("bf16_gemv+norms", bf16_layer, bf), ("int4_tinygemm+norms+silu", tinygemm_layer, i4),
-                              ("int4_gemv+norms", gemv_layer, i4), ("int4_gemv_fused", fused_layer, i4)):
+                              ("int4_gemv+norms", gemv_layer, i4), ("int4_gemv_fused_rowpass", rowpass_layer, i4),
+                              ("int4_gemv_fused", fused_layer, i4)):
         int4_gemv.MAX_ROWS = 0 if "tinygemm" in name else saved
         row[name] = graph_us([lambda w=w: fn(w) for w in weights])
         print(f"layer at 1 row, {name:26s} {row[name]:7.2f} us")

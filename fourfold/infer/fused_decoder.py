@@ -16,7 +16,8 @@ or fourfold.quant.int4_gemv with SiLU*mul fused where its MAX_ROWS allows).
 Decode steps of such a model with weight-only int4 linears (no activation quantization) go further: each
 RMSNorm runs in the prologue of the GEMV that reads it and each residual add in the epilogue of the GEMV
 before it, so a layer is q|k|v, rotary, attention, o (+ residual), gate|up (norm, SiLU*mul), down (+ residual):
-no add+RMSNorm kernels (INT4_FUSED_NORMS).
+no add+RMSNorm kernels (INT4_FUSED_NORMS). The GEMV that writes a residual row also adds up its sum of squares
+(float32 atomics, so the last bits of a norm can vary from run to run) for the one that normalises it.
 Tensor-parallel (DTensor weights) and pipeline-stage models are left alone (`from_model` returns None)
 and run the model's own forward.
 """
@@ -184,15 +185,18 @@ class FusedDecoder:
     def _int4_decode(self, h: torch.Tensor, st: StepTensors, pool: KVPool, attend: Attend) -> torch.Tensor:
         """The step of an int4 weight-only model through GEMVs that carry the norms and residual adds; h: embeddings."""
         m = self.model
-        for layer_idx, b in self.blocks:
-            qkv = b.qkv.packed.decode(h, norm_weight=b.attn_norm, eps=b.eps)
+        # sums of squares of each residual row, added up by the GEMV that writes the row (atomics), read by the
+        # one that normalises it: rows [2i] after layer i's o projection, [2i + 1] after its down projection
+        sumsq = torch.zeros(2 * len(self.blocks), h.shape[0], device=h.device, dtype=torch.float32)
+        for i, (layer_idx, b) in enumerate(self.blocks):
+            qkv = b.qkv.packed.decode(h, norm_weight=b.attn_norm, eps=b.eps, sumsq_in=sumsq[2 * i - 1] if i else None)
             k_cache, v_cache = pool.layer(layer_idx)
             q = rotary_kv_write(qkv, st.positions, m.rope_cos, m.rope_sin, k_cache, v_cache, st.slot_mapping,
                                 b.n_heads, b.n_kv_heads)
             out = attend(layer_idx, q, k_cache, v_cache)
-            h = b.wo.packed.decode(out.reshape(out.shape[0], -1), residual=h)
-            act = b.gate_up.packed.decode(h, gated=True, norm_weight=b.ffn_norm, eps=b.eps)
-            h = b.w2.packed.decode(act, residual=h)
+            h = b.wo.packed.decode(out.reshape(out.shape[0], -1), residual=h, sumsq_out=sumsq[2 * i])
+            act = b.gate_up.packed.decode(h, gated=True, norm_weight=b.ffn_norm, eps=b.eps, sumsq_in=sumsq[2 * i])
+            h = b.w2.packed.decode(act, residual=h, sumsq_out=sumsq[2 * i + 1])
         h, _ = add_rms_norm(h[st.logits_for], None, m.norm.weight, m.norm.eps)
         head = m.output
         return _Linear(head.weight, head.bias)(h) if type(head) is nn.Linear else head(h)

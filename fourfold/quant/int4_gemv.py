@@ -30,9 +30,10 @@ import torch
 
 from fourfold.ops.triton_launch import pdl, triton
 
-MAX_ROWS = 2
+MAX_ROWS = 1
 """Up to this many token rows (on CUDA) use this kernel; more use torch's `_weight_int4pack_mm` (up to
-int4_gemm.TINYGEMM_ROWS) or fourfold.quant.int4_gemm. Measured in bench/int4_gemv_check.py on an H200."""
+int4_gemm.TINYGEMM_ROWS) or fourfold.quant.int4_gemm. H200 (bench/gemv_check.py): at 2 rows torch's kernel
+is already as fast or faster on every llama-1b shape (each row is its own program here)."""
 
 USE_ASM = True
 """On CUDA, the nibble's mask-and-OR is one inline-PTX lop3 (the interpreter runs the plain Triton ops)."""
@@ -56,21 +57,26 @@ if triton is not None:
         return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _group_terms(dot, s_ptr, z_ptr, sz, s_ok, xs_g, BLOCK_N: tl.constexpr, GC: tl.constexpr, GW: tl.constexpr,
-                     ASYM: tl.constexpr):
-        """Per (row, group) of a chunk: s * (sum_k (1 + u/16) x - (24 + z)/16 * sum_k x), from per-word sums."""
-        dot_g = tl.sum(tl.reshape(dot, (BLOCK_N, GC, GW)), axis=2)
+    def _load_scales(s_ptr, z_ptr, sz, s_ok, ASYM: tl.constexpr):
+        """(s, c) per (row, group): the scale and (24 + z)/16, the 1.0 parts, the offset 8 and the zero point."""
         s = tl.load(s_ptr + sz, mask=s_ok, other=0.0).to(tl.float32)
-        if ASYM:   # the 1.0 parts, the offset 8 and the zero point
+        if ASYM:
             c = (tl.load(z_ptr + sz, mask=s_ok, other=0).to(tl.float32) + 24.0) * 0.0625
-            return s * (dot_g - c * xs_g)
-        return s * (dot_g - xs_g * 1.5)
+        else:
+            c = tl.full(s.shape, 1.5, tl.float32)
+        return s, c
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, N, stride_xm, stride_wn,
-                          stride_sn, stride_rm, stride_om, up_offset, eps,
+    def _group_terms(dot, s, c, xs_g, BLOCK_N: tl.constexpr, GC: tl.constexpr, GW: tl.constexpr):
+        """Per (row, group) of a chunk: s * (sum_k (1 + u/16) x - c * sum_k x), from the per-word sums."""
+        dot_g = tl.sum(tl.reshape(dot, (BLOCK_N, GC, GW)), axis=2)
+        return s * (dot_g - c * xs_g)
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, nw_ptr, ss_in_ptr, ss_out_ptr, out_ptr, N,
+                          stride_xm, stride_wn, stride_sn, stride_rm, stride_om, up_offset, eps,
                           K: tl.constexpr, G: tl.constexpr, KC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HAS_RES: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr, NORM: tl.constexpr,
+                          HAS_RES: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr, NORM: tl.constexpr, SS_OUT: tl.constexpr,
                           KP: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         pdl_signal(PDL)
         m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -91,16 +97,23 @@ if triton is not None:
         p = tl.load(w_rows, mask=p_ok, other=0)
         if GATED:
             pu = tl.load(u_rows, mask=p_ok, other=0)
+        sz = rows64[:, None] * stride_sn + gc[None, :]
+        s_ok = row_ok[:, None] & (gc < K // G)[None, :]
+        s, c = _load_scales(s_ptr, z_ptr, sz, s_ok, ASYM)
+        if GATED:
+            su, cu = _load_scales(s_ptr, z_ptr, sz + up_offset * stride_sn, s_ok, ASYM)
         pdl_wait(PDL)
         acc = tl.zeros([BLOCK_N, GC], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, GC], dtype=tl.float32)
         x_row = x_ptr + m * stride_xm
         x_ty = x_ptr.dtype.element_ty
         rstd = 1.0
-        if NORM:  # RMSNorm of the row first (as fused_ops.add_rms_norm): every program reduces the whole row
+        if NORM == 1:  # RMSNorm of the row first (as fused_ops.add_rms_norm): every program reduces the whole row
             kk = tl.arange(0, KP)
             hv = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(hv * hv, axis=0) / K + eps)
+        elif NORM == 2:  # the row's sum of squares, added up by the kernel that wrote x (SS_OUT)
+            rstd = 1.0 / tl.sqrt(tl.load(ss_in_ptr + m) / K + eps)
         for it in range(ITERS):
             next_ok = row_ok[:, None] & ((it + 1) * W + w < K // 8)[None, :]
             p_next = tl.load(w_rows + (it + 1) * W, mask=next_ok, other=0)
@@ -119,7 +132,7 @@ if triton is not None:
                     xi = tl.load(x_row + x_off + i * GW).to(tl.float32)
                 else:
                     xi = tl.load(x_row + x_off + i * GW, mask=w_ok, other=0.0).to(tl.float32)
-                if NORM:   # normed = x * rstd * weight, rounded to x's dtype as the separate kernel stores it
+                if NORM > 0:   # normed = x * rstd * weight, rounded to x's dtype as the separate kernel stores it
                     if EVEN:
                         nwi = tl.load(nw_ptr + x_off + i * GW).to(tl.float32)
                     else:
@@ -131,12 +144,13 @@ if triton is not None:
                     dot_up += _nibble(pu, i, ASM) * xi
             # scale and zero point once per (row, group): each group's words summed first
             xs_g = tl.sum(tl.reshape(xs, (BLOCK_N, GC, GW)), axis=2)
-            sz = rows64[:, None] * stride_sn + it * GC + gc[None, :]
-            s_ok = row_ok[:, None] & (it * GC + gc < K // G)[None, :]
-            acc += _group_terms(dot, s_ptr, z_ptr, sz, s_ok, xs_g, BLOCK_N, GC, GW, ASYM)
+            acc += _group_terms(dot, s, c, xs_g, BLOCK_N, GC, GW)
+            sz_next = sz + (it + 1) * GC
+            s_ok_next = row_ok[:, None] & ((it + 1) * GC + gc < K // G)[None, :]
+            s, c = _load_scales(s_ptr, z_ptr, sz_next, s_ok_next, ASYM)
             if GATED:
-                acc_up += _group_terms(dot_up, s_ptr, z_ptr, sz + up_offset * stride_sn, s_ok, xs_g, BLOCK_N, GC, GW,
-                                       ASYM)
+                acc_up += _group_terms(dot_up, su, cu, xs_g, BLOCK_N, GC, GW)
+                su, cu = _load_scales(s_ptr, z_ptr, sz_next + up_offset * stride_sn, s_ok_next, ASYM)
                 pu = pu_next
             p = p_next
         y = tl.sum(acc, axis=1) * 16.0
@@ -151,7 +165,11 @@ if triton is not None:
         if HAS_RES:  # the matmul output rounded, then added in float32 and rounded (fused_ops.add_rms_norm's add)
             res = tl.load(r_ptr + m * stride_rm + rows, mask=row_ok, other=0.0).to(tl.float32)
             y = y.to(out_ty).to(tl.float32) + res
-        tl.store(out_ptr + m * stride_om + rows, y.to(out_ty), mask=row_ok)
+        y = y.to(out_ty)
+        tl.store(out_ptr + m * stride_om + rows, y, mask=row_ok)
+        if SS_OUT:  # this program's share of the output row's sum of squares, for the next kernel's RMSNorm
+            yf = tl.where(row_ok, y.to(tl.float32), 0.0)
+            tl.atomic_add(ss_out_ptr + m, tl.sum(yf * yf, axis=0))
 
 
 def available() -> bool:
@@ -181,11 +199,12 @@ def unpack_planes(words: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def _config(n: int, k: int, group_size: int) -> tuple[int, int, int]:
-    """(BLOCK_N, KC elements per chunk, num_warps) at one row: bench/int4_gemv_check.py's sweep on an H200.
+    """(BLOCK_N, KC elements per chunk, num_warps) at one row, from bench/int4_gemv_check.py's sweep on an H200
+    (llama-1b: q|k|v and o 2 rows x 2048 (3.7-4.4 us), gate|up 8 x 1024 (7.7 us), down 8 x 2048 (6.2 us)).
     num_warps = BLOCK_N * KC / 1024 gives each thread 4 words (32 weights) of one row per chunk: many short
     warps rather than few long ones (a GEMV of a few MB is latency-bound); a chunk past K is cut at K."""
-    block_n = 4
-    kc = max(group_size, min(1024, triton.next_power_of_2(k)))
+    block_n, kc = (8, 1024) if n >= 4096 else ((8, 2048) if k > 4096 else (2, 2048))
+    kc = max(group_size, min(kc, triton.next_power_of_2(k)))
     return block_n, kc, max(1, min(16, block_n * kc // 1024))
 
 
@@ -193,10 +212,13 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
               group_size: int, bias: torch.Tensor | None = None, gated: bool = False,
               config: tuple[int, int, int] | None = None, asym: bool = True, words: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-              eps: float = 1e-5) -> torch.Tensor:
+              eps: float = 1e-5, sumsq_in: torch.Tensor | None = None,
+              sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
     """x (.., K) @ dequant(W).T + bias in x's dtype; `gated`: silu(first half) * second half of the rows;
     `residual` (.., N): added to the result; `norm_weight` (K,): x is first RMS-normalised (eps) and scaled
-    by it, rounded to x's dtype, as fourfold.infer.fused_ops.add_rms_norm does. `words`: repack_planes(weight_int4) if already made (else made
+    by it, rounded to x's dtype, as fourfold.infer.fused_ops.add_rms_norm does; with `sumsq_in` (float32 (M,):
+    each row's sum of squares, from the kernel that wrote x) the prologue skips its own pass over the row.
+    `sumsq_out` (float32 (M,), zeroed): the output rows' sums of squares are added into it (atomics). `words`: repack_planes(weight_int4) if already made (else made
     here). `asym=False` skips the zero points (all zero: symmetric schemes)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -217,10 +239,13 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
         assert res.stride(-1) == 1
     grid = (rows, triton.cdiv(n, block_n))
     _int4_gemv_kernel[grid](x2, words, scales, zero_points, bias if bias is not None else scales,
-                            res if res is not None else out, norm_weight if norm_weight is not None else x2, out, n,
+                            res if res is not None else out, norm_weight if norm_weight is not None else x2,
+                            sumsq_in if sumsq_in is not None else out, sumsq_out if sumsq_out is not None else out,
+                            out, n,
                             x2.stride(0), words.stride(0), scales.stride(0), res.stride(0) if res is not None else 0,
                             out.stride(0), n, eps, K=k, G=group_size, KC=kc, HAS_BIAS=bias is not None,
-                            HAS_RES=res is not None, GATED=gated, ASYM=asym, NORM=norm_weight is not None,
+                            HAS_RES=res is not None, GATED=gated, ASYM=asym, NORM=0 if norm_weight is None else (2 if sumsq_in is not None else 1),
+                            SS_OUT=sumsq_out is not None,
                             KP=triton.next_power_of_2(k), BLOCK_N=block_n,
                             ASM=USE_ASM and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
                             PDL=pdl(x.device), num_warps=warps, launch_pdl=pdl(x.device))
