@@ -86,7 +86,9 @@ def sweep(results: list, deadline: float) -> dict:
 
     best = {}
     shapes = {"qkv": (QKV, DIM), "o": (DIM, DIM), "gate_up": (2 * FFN, DIM), "down": (DIM, FFN)}
-    configs = [(bn, kc, max(1, min(16, bn * kc // 1024))) for kc in (1024, 2048, 512) for bn in (2, 4, 8, 1)]
+    # num_warps = BLOCK_N * KC / 1024 / R gives each thread R weight rows (x's conversion shared by them)
+    configs = [(bn, kc, bn * kc // 1024 // r) for r in (1, 2, 4) for kc in (1024, 2048) for bn in (2, 4, 8, 16)
+               if 1 <= bn * kc // 1024 // r <= 16 and bn >= r]
     for name, (n, k) in shapes.items():
         gated = name == "gate_up"
         x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)

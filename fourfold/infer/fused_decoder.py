@@ -16,7 +16,7 @@ or fourfold.quant.int4_gemv with SiLU*mul fused where its MAX_ROWS allows).
 Decode steps of such a model with weight-only int4 linears (no activation quantization) go further: each
 RMSNorm runs in the prologue of the GEMV that reads it and each residual add in the epilogue of the GEMV
 before it, so a layer is q|k|v, rotary, attention, o (+ residual), gate|up (norm, SiLU*mul), down (+ residual):
-no add+RMSNorm kernels (INT4_FUSED_NORMS). The GEMV that writes a residual row also adds up its sum of squares
+no add+RMSNorm kernels (INT4_FUSED_NORMS, off by default: slower on an H200). The GEMV that writes a residual row also adds up its sum of squares
 (float32 atomics, so the last bits of a norm can vary from run to run) for the one that normalises it.
 Tensor-parallel (DTensor weights) and pipeline-stage models are left alone (`from_model` returns None)
 and run the model's own forward.
@@ -36,9 +36,11 @@ from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.step_tensors import StepTensors
 from fourfold.quant.packing import Int4WeightLinear
 
-INT4_FUSED_NORMS = True
+INT4_FUSED_NORMS = False
 """Int4 weight-only models at decode (rows within fourfold.quant.int4_gemv.MAX_ROWS): norms and residual adds
-inside the int4 GEMVs (False: the separate add+RMSNorm kernels, as for bf16)."""
+inside the int4 GEMVs. Off: on an H200 the separate add+RMSNorm kernels were faster (llama-1b batch 1:
+0.730 vs 0.827 ms/step; bench/results/2026-11-24-h200-int4fast/): every program of the GEMV repeats the
+norm's arithmetic on its slice of x, which costs more than the kernel it saves."""
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q (T, hq, d), k_cache, v_cache) -> (T, hq, d): attention over the already-written pool."""
