@@ -13,13 +13,15 @@ all eight nibbles of a word share one group (one scale per word), and nibble pla
 meets a contiguous slice of x. A nibble becomes a float with two integer ops and no conversion: shifted to
 bits 19..22 and OR-ed with the bits of 1.0 it reads 1 + u/16, so per group
     sum_k (u_k - 8 - z) x_k = 16 * (sum_k (1 + u_k/16) x_k - (24 + z)/16 * sum_k x_k),
-and the inner loop is shift, and-or (one LOP3), FMA per weight; scale and zero point apply once per word
-(8 weights). One program owns BLOCK_N rows and one token row, walks K in KC-element chunks with 16-byte
-loads of packed words (the next chunk's load is issued before this chunk's math), and loads the first chunk
-before waiting on the previous kernel (programmatic dependent launch on Hopper, fourfold.ops.triton_launch).
+and the inner loop is shift, and-or (one LOP3), FMA per weight; scale and zero point apply once per (row,
+group) after a group's words are summed. One program owns BLOCK_N rows and one token row and walks K in
+KC-element chunks with 16-byte loads of packed words (the next chunk's weights and scales are loaded before
+this chunk's math, the first before waiting on the previous kernel: programmatic dependent launch on Hopper,
+fourfold.ops.triton_launch). H200, llama-1b at one row (bench/gemv_check.py): 1.1-1.4x torch's int4 mm.
 Token rows of one weight tile are adjacent in the grid (the tile comes from HBM once, then from L2). The grid
 depends only on shapes, so calls can be captured in CUDA graphs. With `residual` (epilogue) and `norm_weight`
-(prologue) a quantized decoder layer needs no separate add+RMSNorm kernels (fourfold.infer.fused_decoder).
+(prologue) a quantized decoder layer needs no separate add+RMSNorm kernels (fourfold.infer.fused_decoder's
+INT4_FUSED_NORMS, off by default: slower on an H200 than the separate kernels).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from fourfold.ops.triton_launch import pdl, triton
 MAX_ROWS = 1
 """Up to this many token rows (on CUDA) use this kernel; more use torch's `_weight_int4pack_mm` (up to
 int4_gemm.TINYGEMM_ROWS) or fourfold.quant.int4_gemm. H200 (bench/gemv_check.py): at 2 rows torch's kernel
-is already as fast or faster on every llama-1b shape (each row is its own program here)."""
+is faster on a llama-1b layer's four shapes together (each row is its own program here)."""
 
 USE_ASM = True
 """On CUDA, the nibble's mask-and-OR is one inline-PTX lop3 (the interpreter runs the plain Triton ops)."""
