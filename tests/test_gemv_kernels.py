@@ -1,4 +1,4 @@
-"""The bf16 decode GEMV kernel (fourfold.infer.gemv_gpu; the int4 one: tests/test_int4_gemv.py) against a float64 reference, and the
+"""The bf16 decode GEMV (fourfold.infer.gemv_gpu; int4: tests/test_int4_gemv.py) against a float64 reference, and the
 fused decoder over a converted int4 model against the model's own forward.
 
 Without a GPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton is

@@ -16,8 +16,9 @@ or fourfold.quant.int4_gemv with SiLU*mul fused where its MAX_ROWS allows).
 Decode steps of such a model with weight-only int4 linears (no activation quantization) go further: each
 RMSNorm runs in the prologue of the GEMV that reads it and each residual add in the epilogue of the GEMV
 before it, so a layer is q|k|v, rotary, attention, o (+ residual), gate|up (norm, SiLU*mul), down (+ residual):
-no add+RMSNorm kernels (INT4_FUSED_NORMS, off by default: slower on an H200). The GEMV that writes a residual row also adds up its sum of squares
-(float32 atomics, so the last bits of a norm can vary from run to run) for the one that normalises it.
+no add+RMSNorm kernels (INT4_FUSED_NORMS, off by default: slower on an H200). The GEMV that writes a
+residual row also adds up its sum of squares (float32 atomics, so the last bits of a norm can vary from run
+to run) for the one that normalises it.
 Tensor-parallel (DTensor weights) and pipeline-stage models are left alone (`from_model` returns None)
 and run the model's own forward.
 """

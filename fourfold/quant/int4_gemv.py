@@ -78,7 +78,8 @@ if triton is not None:
     def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, nw_ptr, ss_in_ptr, ss_out_ptr, out_ptr, N,
                           stride_xm, stride_wn, stride_sn, stride_rm, stride_om, up_offset, eps,
                           K: tl.constexpr, G: tl.constexpr, KC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HAS_RES: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr, NORM: tl.constexpr, SS_OUT: tl.constexpr,
+                          HAS_RES: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr, NORM: tl.constexpr,
+                          SS_OUT: tl.constexpr,
                           KP: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         pdl_signal(PDL)
         m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -226,8 +227,9 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     `residual` (.., N): added to the result; `norm_weight` (K,): x is first RMS-normalised (eps) and scaled
     by it, rounded to x's dtype, as fourfold.infer.fused_ops.add_rms_norm does; with `sumsq_in` (float32 (M,):
     each row's sum of squares, from the kernel that wrote x) the prologue skips its own pass over the row.
-    `sumsq_out` (float32 (M,), zeroed): the output rows' sums of squares are added into it (atomics). `words`: repack_planes(weight_int4) if already made (else made
-    here). `asym=False` skips the zero points (all zero: symmetric schemes)."""
+    `sumsq_out` (float32 (M,), zeroed): the output rows' sums of squares are added into it (atomics).
+    `words`: repack_planes(weight_int4) if already made (else made here). `asym=False` skips the zero points
+    (all zero: symmetric schemes)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -252,7 +254,8 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
                             out, n,
                             x2.stride(0), words.stride(0), scales.stride(0), res.stride(0) if res is not None else 0,
                             out.stride(0), n, eps, K=k, G=group_size, KC=kc, HAS_BIAS=bias is not None,
-                            HAS_RES=res is not None, GATED=gated, ASYM=asym, NORM=0 if norm_weight is None else (2 if sumsq_in is not None else 1),
+                            HAS_RES=res is not None, GATED=gated, ASYM=asym,
+                            NORM=0 if norm_weight is None else (2 if sumsq_in is not None else 1),
                             SS_OUT=sumsq_out is not None,
                             KP=triton.next_power_of_2(k), BLOCK_N=block_n,
                             ASM=USE_ASM and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
