@@ -133,7 +133,7 @@ def int4_weights(n, k, group=128):
         packed = torch.randint(0, 256, (n, k // 2), device=DEV, dtype=torch.uint8)
         s = (torch.rand(n, k // group, device=DEV) * 0.02 + 0.01).to(torch.bfloat16)
         z = torch.zeros(n, k // group, device=DEV, dtype=torch.int8)
-        out.append((packed, s, z))
+        out.append((packed, s, z, int4_gemv.repack_planes(packed, group)))
     return out, nbytes
 
 
@@ -144,7 +144,7 @@ def time_cases(results: list) -> None:
         gated = name == "gate_up"
         ws = bf16_weights(n, k)
         i4, i4_bytes = int4_weights(n, k)
-        tiled = [(int4_kernel_weight(p.cpu(), DEV), scales_and_zeros(s, z, torch.bfloat16)) for p, s, z in i4]
+        tiled = [(int4_kernel_weight(p.cpu(), DEV), scales_and_zeros(s, z, torch.bfloat16)) for p, s, z, _ in i4]
         for m in ROWS:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             if gated:
@@ -153,7 +153,8 @@ def time_cases(results: list) -> None:
                 cublas = [lambda w=w: F.linear(x, w) for w in ws]
             ours = [lambda w=w: gemv_gpu.gemv_triton(x, w, gated=gated) for w in ws]
             mm = [lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], 128, t[1]) for t in tiled]
-            g4 = [lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated, asym=False) for t in i4]
+            g4 = [lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated, asym=False, words=t[3])
+                  for t in i4]
             row = {"shape": name, "n": n, "k": k, "rows": m, "cublas_us": graph_us(cublas),
                    "gemv_us": graph_us(ours), "int4mm_us": graph_us(mm), "int4_gemv_us": graph_us(g4)}
             gb = n * k * 2 / 1e3
@@ -190,13 +191,13 @@ def sweep(results: list, deadline: float, bf16: bool) -> None:
         i4, i4_bytes = int4_weights(n, k)
         found = []
         for bn in (2, 4, 8, 16):
-            for gpi in (1, 2, 4, 8):
-                for warps in (4, 8):
-                    if time.time() > deadline:
+            for kc in (256, 512, 1024):
+                for warps in (2, 4, 8):
+                    if time.time() > deadline or k % kc:
                         break
-                    cfg = (bn, gpi, warps)
+                    cfg = (bn, kc, warps)
                     us = graph_us([lambda t=t: int4_gemv.int4_gemv(x, t[0], t[1], t[2], 128, gated=gated, config=cfg,
-                                                                   asym=False) for t in i4])
+                                                                   asym=False, words=t[3]) for t in i4])
                     found.append((us, cfg))
         found.sort()
         results.append({"sweep": "int4-g128", "shape": name, "best": found[:5]})

@@ -151,6 +151,7 @@ def build_llm(args, quant: str | None = None, **config):
 
 def run_fourfold(args, quant: str | None = None) -> None:
     from fourfold.infer import gemv_gpu
+    from fourfold.infer import fused_decoder
     from fourfold.quant import int4_gemv
 
     variant = f"fourfold-{quant}" if quant else "fourfold"
@@ -158,6 +159,8 @@ def run_fourfold(args, quant: str | None = None) -> None:
         gemv_gpu.MAX_ROWS = args.gemv_rows
     if args.int4_gemv_rows is not None:
         int4_gemv.MAX_ROWS = args.int4_gemv_rows
+    if args.int4_fused_norms is not None:
+        fused_decoder.INT4_FUSED_NORMS = bool(args.int4_fused_norms)
     llm = build_llm(args, quant, fused_decoder=not args.no_fused, overlap_steps=not args.no_overlap,
                     look_ahead=not args.no_look_ahead)
     path = wire_decode_graphs(llm, args)
@@ -385,6 +388,8 @@ def main() -> int:
                     "tokens (default: fourfold.infer.gemv_gpu.MAX_ROWS; 0: cuBLAS only)")
     ap.add_argument("--int4-gemv-rows", type=int, default=None, help="fourfold-quant: Triton int4 GEMV up to this "
                     "many tokens (default: fourfold.quant.int4_gemv.MAX_ROWS; 0: torch's _weight_int4pack_mm only)")
+    ap.add_argument("--int4-fused-norms", type=int, choices=(0, 1), default=None, help="fourfold-quant: 0 runs "
+                    "separate add+RMSNorm kernels at decode instead of fusing them into the int4 GEMVs (the default)")
     ap.add_argument("--quant", default="int4-g128", help="scheme of the fourfold-quant variant (fourfold.quant)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""The decode GEMV kernels (fourfold.infer.gemv_gpu, fourfold.quant.int4_gemv) against a float64 reference, and the
+"""The bf16 decode GEMV (fourfold.infer.gemv_gpu; int4: tests/test_int4_gemv.py) against a float64 reference, and the
 fused decoder over a converted int4 model against the model's own forward.
 
 Without a GPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton is
@@ -14,8 +14,6 @@ import torch.nn.functional as F
 
 from fourfold.infer import gemv_gpu
 from fourfold.infer.fused_decoder import FusedDecoder, can_fuse
-from fourfold.quant import int4_gemv
-from fourfold.quant.packing import pack_int4
 from fourfold.quant.qat import ptq
 from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.model_runner import ModelRunner
@@ -57,25 +55,6 @@ def test_bf16_gemv_matches_float64(gated, rows, k, block_k):
     torch.testing.assert_close(y.double().cpu(), _reference(x, w, b, gated).cpu(), rtol=1e-5, atol=1e-4)
 
 
-@needs_kernels
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("rows,group,gpi,symmetric", [(1, 32, 2, True), (2, 32, 4, False), (3, 64, 1, False)])
-def test_int4_gemv_matches_dequantized_float64(gated, rows, group, gpi, symmetric):
-    torch.manual_seed(rows + group)
-    n, k = 24, 192  # 6 or 3 groups per row: with gpi 4 the last iteration masks groups
-    x = torch.randn(rows, k, device=DEVICE)
-    q = torch.randint(-8, 8, (2 * n if gated else n, k))
-    scales = torch.rand(q.shape[0], k // group) + 0.1
-    zeros = (torch.zeros if symmetric else torch.randint)(*(() if symmetric else (-8, 8)), (q.shape[0], k // group),
-                                                          dtype=torch.int8)
-    w = (q.double() - zeros.double().repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
-    b = torch.randn(q.shape[0])
-    dev = [t.to(DEVICE) for t in (pack_int4(q + 8), scales, zeros, b)]
-    y = int4_gemv.int4_gemv(x, *dev[:3], group, dev[3], gated=gated, config=(8, gpi, 4), asym=not symmetric)
-    assert y.shape == (rows, n)
-    torch.testing.assert_close(y.double().cpu(), _reference(x.cpu(), w, b, gated), rtol=1e-5, atol=1e-3)
-
-
 def test_fused_decoder_runs_converted_int4_models_like_the_model():
     model = ptq(tiny_model().float(), "int4-g32")
     tokens = torch.tensor([[3, 14, 15, 9, 26, 5]])
@@ -101,3 +80,30 @@ def test_fused_int4_step_logits_equal_the_converted_model_forward():
         for r in seqs.values():
             for s in r:
                 s.output_ids.append(5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g32-asym"])
+def test_int4_decode_with_norms_in_the_gemvs_equals_the_converted_model_forward(scheme, monkeypatch):
+    """Decode steps of an int4 weight-only model run RMSNorm and residual adds inside the int4 GEMVs
+    (FusedDecoder._int4_decode, Triton interpreted on CPU); the logits equal the plain converted model's."""
+    from fourfold.infer import fused_decoder
+    from fourfold.quant.packing import Int4WeightLinear
+
+    model = ptq(tiny_model().float(), scheme)
+    fused_model = copy.deepcopy(model)
+    plain, fused = _runner(model, False), _runner(fused_model, True)
+    monkeypatch.setattr(Int4WeightLinear, "uses_gemv", lambda self, x: x.numel() // self.in_features <= 3)
+    monkeypatch.setattr(fused_decoder, "INT4_FUSED_NORMS", True)   # off by default (slower on an H200)
+    calls = []
+    original = fused_decoder.FusedDecoder._int4_decode
+    monkeypatch.setattr(fused_decoder.FusedDecoder, "_int4_decode", lambda *a: calls.append(1) or original(*a))
+    seqs = {r: [Sequence(str(i), p, GREEDY, i) for i, p in enumerate(PROMPTS[:3])] for r in ("plain", "fused")}
+    for sizes in ([len(p) for p in PROMPTS[:3]], [1, 1, 1], [1, 1, 1]):
+        want = _step(plain, seqs["plain"], sizes)
+        got = _step(fused, seqs["fused"], sizes)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for r in seqs.values():
+            for s in r:
+                s.output_ids.append(5)
+    assert len(calls) == 2   # the two decode steps, not the prefill

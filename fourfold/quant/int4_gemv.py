@@ -1,33 +1,44 @@
-"""Triton int4 weight-only GEMV for few-token steps, reading the stored nibbles directly (no repacking).
+"""Triton int4 weight-only GEMV for few-token (decode) steps, over weights repacked once into "group planes".
 
-    y = int4_gemv(x, weight_int4, scales, zero_points, group_size, bias)       # x (M, K), M small; y (M, N)
-    act = int4_gemv(x, ..., gated=True)     # silu(x @ gate.T) * (x @ up.T) for rows stacked [gate | up]
+    words = repack_planes(weight_int4, group_size)           # once per weight (Int4WeightLinear caches it)
+    y = int4_gemv(x, weight_int4, scales, zero_points, group_size, bias, words=words)   # x (M, K), M small
+    act = int4_gemv(x, ..., gated=True)           # silu(x @ gate.T) * (x @ up.T), rows stacked [gate | up]
+    h = int4_gemv(x, ..., residual=r)             # r + x @ W.T, rounded as the eager residual add rounds
+    y = int4_gemv(h, ..., norm_weight=w, eps=e)   # RMSNorm(h) * w @ W.T: the norm in the prologue
 
-Weights in fourfold.quant.packing's stored layout: uint8 [N, K/2] holding u = q + 8 (element 2j in the high
-nibble, 2j+1 in the low one), scales [N, K/G] (bf16 or fp32), int8 zero points [N, K/G]; the weight is
-(u - 8 - z) * s, so per group  sum_k w_k x_k = s * (sum_k (u_k - 8) x_k - z * sum_k x_k),  which lets a program
-multiply raw nibbles and apply scale and zero point once per group. One program owns BLOCK_N output rows
-and one token row; it walks GPI groups at a time (16-byte loads of packed bytes, 4x fewer bytes than bf16),
-accumulating in float32. Token rows of one weight tile are adjacent in the grid, so the packed tile comes
-from HBM once and from L2 for the other rows. Asymmetric schemes subtract z * sum(x) per group; symmetric
-ones skip it. Nibbles become floats through their bits (2^23 + u, minus 2^23 + 8), not int->float
-conversions. The grid depends only on shapes, so the call can be captured in a CUDA graph; on Hopper it
-launches with programmatic dependent launch like fourfold.infer.gemv_gpu.
-Status (H200, bench/gemv_check.py): correct for every scheme, but instruction-bound at 0.5-1.3 TB/s of
-packed bytes, slower than torch's `_weight_int4pack_mm` in CUDA graphs at one row, so MAX_ROWS is 0 and
-it is not on the decode path; kept for the gated (SiLU*mul) form and as the base for a faster one.
+Stored layout (fourfold.quant.packing): uint8 [N, K/2] of u = q + 8, element 2j in the high nibble; scales
+[N, K/G]; int8 zero points [N, K/G]; the weight is (u - 8 - z) * s. `repack_planes` rewrites the same bytes
+as int32 words [N, K/8] where word c of group t holds, in nibble i (bits 4i..4i+3), element t*G + i*G/8 + c:
+all eight nibbles of a word share one group (one scale per word), and nibble plane i of consecutive words
+meets a contiguous slice of x. A nibble becomes a float with two integer ops and no conversion: shifted to
+bits 19..22 and OR-ed with the bits of 1.0 it reads 1 + u/16, so per group
+    sum_k (u_k - 8 - z) x_k = 16 * (sum_k (1 + u_k/16) x_k - (24 + z)/16 * sum_k x_k),
+and the inner loop is shift, and-or (one LOP3), FMA per weight; scale and zero point apply once per (row,
+group) after a group's words are summed. One program owns BLOCK_N rows and one token row and walks K in
+KC-element chunks with 16-byte loads of packed words (the next chunk's weights and scales are loaded before
+this chunk's math, the first before waiting on the previous kernel: programmatic dependent launch on Hopper,
+fourfold.ops.triton_launch). H200, llama-1b at one row (bench/gemv_check.py): 1.1-1.4x torch's int4 mm.
+Token rows of one weight tile are adjacent in the grid (the tile comes from HBM once, then from L2). The grid
+depends only on shapes, so calls can be captured in CUDA graphs. With `residual` (epilogue) and `norm_weight`
+(prologue) a quantized decoder layer needs no separate add+RMSNorm kernels (fourfold.infer.fused_decoder's
+INT4_FUSED_NORMS, off by default: slower on an H200 than the separate kernels).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from fourfold.ops.triton_launch import pdl, triton
 
-MAX_ROWS = 0
-"""Up to this many token rows (on CUDA) use this kernel; more use torch's tile-packed `_weight_int4pack_mm`.
-0 (off): on an H200 inside CUDA graphs torch's kernel was faster at every llama-1b shape (bench/gemv_check.py:
-q|k|v 4.0 vs 5.5 us, down 6.6 vs 10.7 us at one row), so the converted model decodes through it."""
+MAX_ROWS = 1
+"""Up to this many token rows (on CUDA) use this kernel; more use torch's `_weight_int4pack_mm` (up to
+int4_gemm.TINYGEMM_ROWS) or fourfold.quant.int4_gemm. H200 (bench/gemv_check.py): at 2 rows torch's kernel
+is faster on a llama-1b layer's four shapes together (each row is its own program here)."""
+
+USE_ASM = True
+"""On CUDA, the nibble's mask-and-OR is one inline-PTX lop3 (the interpreter runs the plain Triton ops)."""
 
 if triton is not None:
     import triton.language as tl
@@ -35,60 +46,133 @@ if triton is not None:
     from fourfold.ops.triton_launch import pdl_signal, pdl_wait, swiglu_rounded
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, stride_xm, stride_pn,
-                          stride_sn, stride_om, up_offset,
-                          N_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr,
-                          G: tl.constexpr, GPI: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    def _nibble(p, i: tl.constexpr, ASM: tl.constexpr):
+        """Nibble i (bits 4i..4i+3) of int32 words p as the float 1 + u/16, exactly: shift to bits 19..22, OR 1.0.
+        ASM: the mask and the OR as one lop3 (ptxas emits two LOP3s for `(b & m) | c` with two immediates)."""
+        if i <= 4:
+            bits = p << (19 - 4 * i)
+        else:
+            bits = p >> (4 * i - 19)
+        if ASM:
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x780000, 0x3F800000, 0xea;", "=r,r", [bits],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _load_scales(s_ptr, z_ptr, sz, s_ok, ASYM: tl.constexpr):
+        """(s, c) per (row, group): the scale and (24 + z)/16, the 1.0 parts, the offset 8 and the zero point."""
+        s = tl.load(s_ptr + sz, mask=s_ok, other=0.0).to(tl.float32)
+        if ASYM:
+            c = (tl.load(z_ptr + sz, mask=s_ok, other=0).to(tl.float32) + 24.0) * 0.0625
+        else:
+            c = tl.full(s.shape, 1.5, tl.float32)
+        return s, c
+
+    @triton.jit
+    def _group_terms(dot, s, c, xs_g, BLOCK_N: tl.constexpr, GC: tl.constexpr, GW: tl.constexpr):
+        """Per (row, group) of a chunk: s * (sum_k (1 + u/16) x - c * sum_k x), from the per-word sums."""
+        dot_g = tl.sum(tl.reshape(dot, (BLOCK_N, GC, GW)), axis=2)
+        return s * (dot_g - c * xs_g)
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, nw_ptr, ss_in_ptr, ss_out_ptr, out_ptr, N,
+                          stride_xm, stride_wn, stride_sn, stride_rm, stride_om, up_offset, eps,
+                          K: tl.constexpr, G: tl.constexpr, KC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HAS_RES: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr, NORM: tl.constexpr,
+                          SS_OUT: tl.constexpr,
+                          KP: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         pdl_signal(PDL)
-        pdl_wait(PDL)
         m, pid_n = tl.program_id(0), tl.program_id(1)
+        W: tl.constexpr = KC // 8          # packed words per row per chunk
+        GW: tl.constexpr = G // 8          # words per group
+        GC: tl.constexpr = KC // G         # groups per chunk
+        ITERS: tl.constexpr = (K + KC - 1) // KC
+        EVEN: tl.constexpr = K % KC == 0   # else the last chunk is cut at K (whole groups: G divides K)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         rows64 = rows.to(tl.int64)
-        gi = tl.arange(0, GPI)
-        j = tl.arange(0, G // 2)
-        acc = tl.zeros([BLOCK_N, GPI], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, GPI], dtype=tl.float32)
-        pair = tl.arange(0, 2)
-        for step in range((N_GROUPS + GPI - 1) // GPI):  # constexpr trip count (also in the interpreter)
-            grp = step * GPI + gi
-            g_ok = grp < N_GROUPS
-            # x as (GPI, G/2, 2) contiguous pairs, split into the elements of the high and low nibbles
-            k_pair = grp[:, None, None] * G + 2 * j[None, :, None] + pair[None, None, :]
-            xv = tl.load(x_ptr + m * stride_xm + k_pair, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
-            xe, xo = tl.split(xv)
-            byte = grp[:, None] * (G // 2) + j[None, :]
-            mask3 = row_ok[:, None, None] & g_ok[None, :, None]
-            mask2 = row_ok[:, None] & g_ok[None, :]
-            if ASYM:
-                xsum = tl.sum(xe + xo, axis=1)                                # (GPI,)
-            for half in tl.static_range(2 if GATED else 1):                   # gate rows, then up rows
-                r = rows64 + half * up_offset
-                p = tl.load(p_ptr + r[:, None, None] * stride_pn + byte[None, :, :], mask=mask3, other=0x88)
-                p = p.to(tl.int32)
-                # u - 8 exactly, without int->float conversions: the bits of 2^23 + u, minus 2^23 + 8
-                hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                dot = tl.sum(hi * xe[None, :, :] + lo * xo[None, :, :], axis=2)  # (BLOCK_N, GPI)
-                sz = r[:, None] * stride_sn + grp[None, :]
-                s = tl.load(s_ptr + sz, mask=mask2, other=0.0).to(tl.float32)
-                if ASYM:
-                    dot -= tl.load(z_ptr + sz, mask=mask2, other=0).to(tl.float32) * xsum[None, :]
-                if half == 0:
-                    acc += s * dot
+        w = tl.arange(0, W)
+        gc = tl.arange(0, GC)
+        w_rows = w_ptr + rows64[:, None] * stride_wn + w[None, :]
+        u_rows = w_rows + up_offset * stride_wn
+        # the weights do not depend on the previous kernel: the first chunk is in flight before waiting for it
+        p_ok = row_ok[:, None] & (w < K // 8)[None, :]
+        p = tl.load(w_rows, mask=p_ok, other=0)
+        if GATED:
+            pu = tl.load(u_rows, mask=p_ok, other=0)
+        sz = rows64[:, None] * stride_sn + gc[None, :]
+        s_ok = row_ok[:, None] & (gc < K // G)[None, :]
+        s, c = _load_scales(s_ptr, z_ptr, sz, s_ok, ASYM)
+        if GATED:
+            su, cu = _load_scales(s_ptr, z_ptr, sz + up_offset * stride_sn, s_ok, ASYM)
+        pdl_wait(PDL)
+        acc = tl.zeros([BLOCK_N, GC], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, GC], dtype=tl.float32)
+        x_row = x_ptr + m * stride_xm
+        x_ty = x_ptr.dtype.element_ty
+        rstd = 1.0
+        if NORM == 1:  # RMSNorm of the row first (as fused_ops.add_rms_norm): every program reduces the whole row
+            kk = tl.arange(0, KP)
+            hv = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(hv * hv, axis=0) / K + eps)
+        elif NORM == 2:  # the row's sum of squares, added up by the kernel that wrote x (SS_OUT)
+            rstd = 1.0 / tl.sqrt(tl.load(ss_in_ptr + m) / K + eps)
+        for it in range(ITERS):
+            next_ok = row_ok[:, None] & ((it + 1) * W + w < K // 8)[None, :]
+            p_next = tl.load(w_rows + (it + 1) * W, mask=next_ok, other=0)
+            if GATED:
+                pu_next = tl.load(u_rows + (it + 1) * W, mask=next_ok, other=0)
+            # x slice of nibble plane i for every word (group of the word, plane offset, word within group), as a
+            # (BLOCK_N, W) tile like the weights': the same layout, so no shuffles through shared memory
+            x_off = tl.max_contiguous(tl.multiple_of(it * KC + (w // GW) * G + (w % GW), 4), 4)
+            x_off = x_off[None, :] + tl.zeros([BLOCK_N, W], dtype=tl.int32)
+            w_ok = (it * W + w < K // 8)[None, :] & row_ok[:, None]
+            xs = tl.zeros([BLOCK_N, W], dtype=tl.float32)          # sum of x over each word's 8 elements
+            dot = tl.zeros([BLOCK_N, W], dtype=tl.float32)
+            dot_up = tl.zeros([BLOCK_N, W], dtype=tl.float32)
+            for i in tl.static_range(8):
+                if EVEN:
+                    xi = tl.load(x_row + x_off + i * GW).to(tl.float32)
                 else:
-                    acc_up += s * dot
-        y = tl.sum(acc, axis=1)
+                    xi = tl.load(x_row + x_off + i * GW, mask=w_ok, other=0.0).to(tl.float32)
+                if NORM > 0:   # normed = x * rstd * weight, rounded to x's dtype as the separate kernel stores it
+                    if EVEN:
+                        nwi = tl.load(nw_ptr + x_off + i * GW).to(tl.float32)
+                    else:
+                        nwi = tl.load(nw_ptr + x_off + i * GW, mask=w_ok, other=0.0).to(tl.float32)
+                    xi = (xi * rstd * nwi).to(x_ty).to(tl.float32)
+                xs += xi
+                dot += _nibble(p, i, ASM) * xi
+                if GATED:
+                    dot_up += _nibble(pu, i, ASM) * xi
+            # scale and zero point once per (row, group): each group's words summed first
+            xs_g = tl.sum(tl.reshape(xs, (BLOCK_N, GC, GW)), axis=2)
+            acc += _group_terms(dot, s, c, xs_g, BLOCK_N, GC, GW)
+            sz_next = sz + (it + 1) * GC
+            s_ok_next = row_ok[:, None] & ((it + 1) * GC + gc < K // G)[None, :]
+            s, c = _load_scales(s_ptr, z_ptr, sz_next, s_ok_next, ASYM)
+            if GATED:
+                acc_up += _group_terms(dot_up, su, cu, xs_g, BLOCK_N, GC, GW)
+                su, cu = _load_scales(s_ptr, z_ptr, sz_next + up_offset * stride_sn, s_ok_next, ASYM)
+                pu = pu_next
+            p = p_next
+        y = tl.sum(acc, axis=1) * 16.0
         out_ty = out_ptr.dtype.element_ty
         if HAS_BIAS:
             y = y + tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        if GATED:  # rounded where the eager SwiGLU rounds: each matmul output, silu, the product
-            up = tl.sum(acc_up, axis=1)
+        if GATED:
+            up = tl.sum(acc_up, axis=1) * 16.0
             if HAS_BIAS:
                 up = up + tl.load(b_ptr + up_offset + rows, mask=row_ok, other=0.0).to(tl.float32)
             y = swiglu_rounded(y, up, out_ptr)
-        tl.store(out_ptr + m * stride_om + rows, y.to(out_ty), mask=row_ok)
+        if HAS_RES:  # the matmul output rounded, then added in float32 and rounded (fused_ops.add_rms_norm's add)
+            res = tl.load(r_ptr + m * stride_rm + rows, mask=row_ok, other=0.0).to(tl.float32)
+            y = y.to(out_ty).to(tl.float32) + res
+        y = y.to(out_ty)
+        tl.store(out_ptr + m * stride_om + rows, y, mask=row_ok)
+        if SS_OUT:  # this program's share of the output row's sum of squares, for the next kernel's RMSNorm
+            yf = tl.where(row_ok, y.to(tl.float32), 0.0)
+            tl.atomic_add(ss_out_ptr + m, tl.sum(yf * yf, axis=0))
 
 
 def available() -> bool:
@@ -96,32 +180,84 @@ def available() -> bool:
     return triton is not None
 
 
-def _config(n: int, group_size: int) -> tuple[int, int, int]:
-    """(BLOCK_N, groups per iteration, num_warps): the best of bench/gemv_check.py's sweep on an H200 at one row
-    (group 128: 4 rows x 8 groups, 8 warps for the 2048-row matrices; 8 rows x 8 groups, 4 warps for gate|up)."""
-    gpi = max(1, 1024 // group_size)
-    return (4, gpi, 8) if n <= 4096 else (8, gpi, 4)
+def repack_planes(weight_int4: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The stored uint8 [N, K/2] nibbles as int32 words [N, K/8] in group-plane order (module docstring)."""
+    n, k = weight_int4.shape[0], weight_int4.shape[1] * 2
+    if k % group_size or group_size % 8:
+        raise ValueError(f"group size {group_size} must be a multiple of 8 dividing in_features {k}")
+    p = weight_int4.to(torch.int64)
+    u = torch.stack([p >> 4, p & 0xF], dim=-1).reshape(n, k // group_size, 8, group_size // 8)
+    shifts = (4 * torch.arange(8, device=u.device)).view(1, 1, 8, 1)
+    words = (u << shifts).sum(dim=2)                                          # [N, K/G, G/8], 0 .. 2^32 - 1
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)             # as two's-complement int32
+    return words.reshape(n, k // 8).to(torch.int32).contiguous()
+
+
+def unpack_planes(words: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Inverse of repack_planes' reordering: uint8 [N, K] of values 0..15 in k order."""
+    n, k = words.shape[0], words.shape[1] * 8
+    w = words.to(torch.int64).reshape(n, k // group_size, 1, group_size // 8)
+    shifts = (4 * torch.arange(8, device=w.device)).view(1, 1, 8, 1)
+    return ((w >> shifts) & 0xF).reshape(n, k).to(torch.uint8)
+
+
+def _config(n: int, k: int, group_size: int) -> tuple[int, int, int]:
+    """(BLOCK_N, KC elements per chunk, num_warps) at one row, from bench/int4_gemv_check.py's sweep on an H200
+    (llama-1b: q|k|v 4 x 2048 / 4 warps 2.8 us, o the same 3.2 us, gate|up 8 x 2048 / 4 warps 6.5 us, down
+    4 x 2048 / 8 warps 5.9 us). A thread holds 4 words (32 weights) of R = BLOCK_N * KC / 1024 / num_warps
+    rows per chunk; R > 1 shares x's conversion between rows, R = 1 gives more, shorter warps (a GEMV of a few
+    MB is latency-bound). A chunk past K is cut at K."""
+    if n >= 4096:
+        block_n, kc, rows_per_thread = 8, 2048, 4
+    elif k > 4096:
+        block_n, kc, rows_per_thread = 4, 2048, 1
+    else:
+        block_n, kc, rows_per_thread = 4, 2048, 2
+    kc = max(group_size, min(kc, triton.next_power_of_2(k)))
+    return block_n, kc, max(1, min(16, block_n * kc // 1024 // rows_per_thread))
 
 
 def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
               group_size: int, bias: torch.Tensor | None = None, gated: bool = False,
-              config: tuple[int, int, int] | None = None, asym: bool = True) -> torch.Tensor:
-    """x (.., K) @ dequant(W).T + bias in x's dtype; `gated`: silu(first half) * second half of the rows.
-    `asym=False` skips the zero points (all zero: symmetric schemes)."""
+              config: tuple[int, int, int] | None = None, asym: bool = True, words: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+              eps: float = 1e-5, sumsq_in: torch.Tensor | None = None,
+              sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (.., K) @ dequant(W).T + bias in x's dtype; `gated`: silu(first half) * second half of the rows;
+    `residual` (.., N): added to the result; `norm_weight` (K,): x is first RMS-normalised (eps) and scaled
+    by it, rounded to x's dtype, as fourfold.infer.fused_ops.add_rms_norm does; with `sumsq_in` (float32 (M,):
+    each row's sum of squares, from the kernel that wrote x) the prologue skips its own pass over the row.
+    `sumsq_out` (float32 (M,), zeroed): the output rows' sums of squares are added into it (atomics).
+    `words`: repack_planes(weight_int4) if already made (else made here). `asym=False` skips the zero points
+    (all zero: symmetric schemes)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows, n_total = x2.shape[0], weight_int4.shape[0]
+    if words is None:
+        words = repack_planes(weight_int4, group_size)
+    rows, n_total = x2.shape[0], words.shape[0]
     n = n_total // 2 if gated else n_total
-    assert weight_int4.shape[1] * 2 == k and k % group_size == 0 and scales.shape == zero_points.shape
-    assert scales.stride() == zero_points.stride() and weight_int4.stride(-1) == 1
-    block_n, gpi, warps = config or _config(n, group_size)
+    assert words.shape[1] * 8 == k and k % group_size == 0 and scales.shape == zero_points.shape
+    assert scales.stride() == zero_points.stride() and words.stride(-1) == 1
+    block_n, kc, warps = config or _config(n, k, group_size)
+    assert kc % group_size == 0, f"chunk {kc} must be a multiple of the group size {group_size}"
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    res = None
+    if residual is not None:
+        res = residual.reshape(rows, n)
+        assert res.stride(-1) == 1
     grid = (rows, triton.cdiv(n, block_n))
-    groups = k // group_size
-    _int4_gemv_kernel[grid](x2, weight_int4, scales, zero_points, bias if bias is not None else scales, out, n, x2.stride(0),
-                            weight_int4.stride(0), scales.stride(0), out.stride(0), n, N_GROUPS=groups,
-                            HAS_BIAS=bias is not None, GATED=gated, ASYM=asym, G=group_size, GPI=gpi,
-                            BLOCK_N=block_n, PDL=pdl(x.device), num_warps=warps, launch_pdl=pdl(x.device))
+    _int4_gemv_kernel[grid](x2, words, scales, zero_points, bias if bias is not None else scales,
+                            res if res is not None else out, norm_weight if norm_weight is not None else x2,
+                            sumsq_in if sumsq_in is not None else out, sumsq_out if sumsq_out is not None else out,
+                            out, n,
+                            x2.stride(0), words.stride(0), scales.stride(0), res.stride(0) if res is not None else 0,
+                            out.stride(0), n, eps, K=k, G=group_size, KC=kc, HAS_BIAS=bias is not None,
+                            HAS_RES=res is not None, GATED=gated, ASYM=asym,
+                            NORM=0 if norm_weight is None else (2 if sumsq_in is not None else 1),
+                            SS_OUT=sumsq_out is not None,
+                            KP=triton.next_power_of_2(k), BLOCK_N=block_n,
+                            ASM=USE_ASM and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+                            PDL=pdl(x.device), num_warps=warps, launch_pdl=pdl(x.device))
     return out.reshape(*x.shape[:-1], n)

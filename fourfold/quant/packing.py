@@ -24,8 +24,8 @@ computed during QAT, up to the kernels' float rounding. Layouts (checked on torc
 On CUDA, steps of more than int4_gemm.TINYGEMM_ROWS (8) token rows run fourfold.quant.int4_gemm on the
 stored nibbles (a Triton W4A16 GEMM; above 64 rows a Triton dequantize + cuBLAS): torch's tiled kernel wins
 at a few rows but is 8-12x slower at 256 rows on an H200. Steps of at most int4_gemv.MAX_ROWS token rows
-can run fourfold.quant.int4_gemv's Triton GEMV instead (0 by default: torch's tiled kernel was faster in
-CUDA graphs on an H200).
+run fourfold.quant.int4_gemv's Triton GEMV instead, over a copy of the nibbles repacked once into its
+group-plane layout (`planes()`, cached like torch's tiled copy).
 The 8da4w module fake-quantizes its input per token (int8, dynamic) before the int4-weight kernel: torch
 has no int8-activation x int4-weight kernel, so this reproduces the numbers, not the int8 speed-up.
 Plain torch rather than torchao: its int4 weight-only kernels need a package (mslk) that does not install.
@@ -102,6 +102,7 @@ class Int4WeightLinear(nn.Module):
         self.register_buffer("zero_points", torch.zeros(out_features, groups, dtype=torch.int8))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self._kernel_cache: dict = {}
+        self._planes_cache: dict = {}
 
     @classmethod
     def from_float(cls, linear: nn.Linear, scheme: QuantScheme, name: str = "linear") -> "Int4WeightLinear":
@@ -122,25 +123,42 @@ class Int4WeightLinear(nn.Module):
                                         scales_and_zeros(self.scales, self.zero_points, x.dtype).to(x.device))}
         return self._kernel_cache[key]
 
+    def planes(self) -> torch.Tensor:
+        """The nibbles repacked for fourfold.quant.int4_gemv (int32 group planes), made once per weight buffer."""
+        key = (self.weight_int4.device, self.weight_int4.data_ptr())
+        if key not in self._planes_cache:
+            self._planes_cache = {key: gemv.repack_planes(self.weight_int4, self.scheme.group_size)}
+        return self._planes_cache[key]
+
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether x (.., K) runs the Triton int4 GEMV (CUDA, at most int4_gemv.MAX_ROWS rows) rather than torch's mm."""
         rows = x.numel() // self.in_features if self.in_features else 0
         return gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS
+
+    def decode(self, x: torch.Tensor, *, gated: bool = False, residual: torch.Tensor | None = None,
+               norm_weight: torch.Tensor | None = None, eps: float = 1e-5, sumsq_in: torch.Tensor | None = None,
+               sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The int4 GEMV (see uses_gemv) with its fusions: `gated` SiLU*mul, `residual` add, `norm_weight`: x is
+        RMS-normalised first, `sumsq_in` / `sumsq_out`: rows' sums of squares handed from the kernel that writes a
+        row to the one that normalises it (fourfold.quant.int4_gemv). x is used as given (no activation fake-quant)."""
+        return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size, self.bias,
+                              gated=gated, asym=not self.scheme.symmetric, words=self.planes(), residual=residual,
+                              norm_weight=norm_weight, eps=eps, sumsq_in=sumsq_in, sumsq_out=sumsq_out)
 
     def uses_gemm(self, x: torch.Tensor) -> bool:
         """Whether x (.., K) runs fourfold.quant.int4_gemm (CUDA, more than int4_gemm.TINYGEMM_ROWS rows)."""
         rows = x.numel() // self.in_features if self.in_features else 0
         return int4_gemm.available() and x.is_cuda and rows > int4_gemm.TINYGEMM_ROWS
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """x @ dequant(W).T + b; `gated` (GEMV path only: see uses_gemv) returns silu(first half) * second half."""
+    def forward(self, x: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ dequant(W).T + b; `gated` and `residual` (GEMV path only: see uses_gemv) return silu(first half) *
+        second half, and residual + the result (rounded as an eager residual add)."""
         if self.scheme.activation != "none":
             x = fake_quantize_activation(x)
         if self.uses_gemv(x):
-            return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size,
-                                  self.bias, gated=gated, asym=not self.scheme.symmetric)
-        if gated:
-            raise ValueError("gated int4 linears run only on the GEMV path (see uses_gemv)")
+            return self.decode(x, gated=gated, residual=residual)
+        if gated or residual is not None:
+            raise ValueError("gated int4 linears and fused residual adds run only on the GEMV path (see uses_gemv)")
         out_dtype = x.dtype
         if x.device.type == "cuda" and x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)    # the CUDA kernels take bf16 activations
