@@ -38,7 +38,9 @@ def kernels():
 CASES = [("add_rms_norm", dict(tokens=3)), ("silu_mul", dict(tokens=3, ffn=300)),
          ("rope_write_kv", dict(tokens=4)), ("rope_write_kv", MIXED), ("attention", dict(tokens=5)),
          ("attention", MIXED), ("attention", dict(MIXED, hq=4, hkv=1)), ("attention", dict(MIXED, hq=3, hkv=3)),
-         ("attention", dict(MIXED, d=16)), ("attention", dict(tokens=2, d=64, block_size=16))]
+         ("attention", dict(MIXED, d=16)), ("attention", dict(tokens=2, d=64, block_size=16)),
+         ("attention", dict(MIXED, d=64, hq=6, hkv=2)), ("attention", dict(MIXED, d=64, hq=8, hkv=2)),
+         ("attention", dict(MIXED, d=64, hq=10, hkv=2))]  # head size 64: AVX512-BF16 path for 1-4 heads a group
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

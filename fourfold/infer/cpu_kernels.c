@@ -68,6 +68,72 @@ static inline float ff_exp(float x) {
     return p * scale;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bf16, head size 64, G query heads per kv head: the key pass (scores) and the value pass (weighted sum)
+   of one query row over one kv head with q, the G accumulators and each key/value row in registers. */
+static inline __attribute__((always_inline)) void bf16_d64_scores(const uint16_t *q, const uint16_t *k_cache,
+        const int32_t *table, int64_t len, int64_t block_size, int64_t stride, int64_t first, float scale,
+        float *scores, const int G) {
+    __m512bh q0[4], q1[4];
+    for (int g = 0; g < G; g++) {
+        q0[g] = (__m512bh)_mm512_loadu_si512(q + g * 64);
+        q1[g] = (__m512bh)_mm512_loadu_si512(q + g * 64 + 32);
+    }
+    for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+        const uint16_t *kb = k_cache + (int64_t)table[p0 / block_size] * block_size * stride + first;
+        int64_t m = len - p0 < block_size ? len - p0 : block_size;
+        for (int64_t o = 0; o < m; o++) {
+            __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + o * stride);
+            __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + o * stride + 32);
+            for (int g = 0; g < G; g++) {
+                __m512 a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0[g], k0), q1[g], k1);
+                scores[g * len + p0 + o] = scale * _mm512_reduce_add_ps(a);
+            }
+        }
+    }
+}
+
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __attribute__((always_inline)) void bf16_d64_values(const uint16_t *v_cache, const int32_t *table,
+        int64_t len, int64_t block_size, int64_t stride, int64_t first, const float *probs, float *acc_out,
+        const int G) {
+    __m512 acc[4][4];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+        const uint16_t *vb = v_cache + (int64_t)table[p0 / block_size] * block_size * stride + first;
+        int64_t m = len - p0 < block_size ? len - p0 : block_size;
+        for (int64_t o = 0; o < m; o++) {
+            __m512 v[4];
+            for (int i = 0; i < 4; i++) v[i] = bf16x16_to_f32(vb + o * stride + 16 * i);
+            for (int g = 0; g < G; g++) {
+                __m512 w = _mm512_set1_ps(probs[g * len + p0 + o]);
+                for (int i = 0; i < 4; i++) acc[g][i] = _mm512_fmadd_ps(w, v[i], acc[g][i]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc_out + g * 64 + 16 * i, acc[g][i]);
+}
+
+/* Both passes for G = group (1..4, each a specialised copy); returns 0 when the shape is not covered. */
+static int bf16_d64_attend(int pass, const uint16_t *q, const uint16_t *cache, const int32_t *table, int64_t len,
+                           int64_t block_size, int64_t stride, int64_t first, float scale, float *scores,
+                           float *acc, int64_t group) {
+#define FF_CASE(G) case G: if (pass == 0) bf16_d64_scores(q, cache, table, len, block_size, stride, first, scale, \
+                                                         scores, G); \
+                           else bf16_d64_values(cache, table, len, block_size, stride, first, scores, acc, G); \
+                           return 1;
+    switch (group) { FF_CASE(1) FF_CASE(2) FF_CASE(3) FF_CASE(4) default: return 0; }
+#undef FF_CASE
+}
+#endif
+
+#define FF_PARALLEL_MIN 8192 /* elements below which a row loop stays on the calling thread */
+
 int ff_version(void) { return 1; }
 
 int ff_max_threads(void) {
@@ -106,6 +172,7 @@ int ff_max_threads(void) {
    out = T(rms_norm(float(residual)) * weight) with weight in float32: `rows` rows of `dim`. */
 void SUF(ff_add_rms_norm)(T *residual, const T *add, const float *weight, T *out, int64_t rows, int64_t dim,
                           float eps) {
+#pragma omp parallel for if (rows * dim >= FF_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         T *x = residual + r * dim;
         T *o = out + r * dim;
@@ -139,6 +206,7 @@ void SUF(ff_add_rms_norm)(T *residual, const T *add, const float *weight, T *out
 void SUF(ff_rope_write_kv)(const T *qkv, int64_t rows, int64_t hq, int64_t hkv, int64_t d, const T *cos,
                            const T *sin_signed, const int64_t *slots, T *q_out, T *k_cache, T *v_cache) {
     int64_t half = d / 2, width = (hq + 2 * hkv) * d;
+#pragma omp parallel for if (rows * width >= FF_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const T *row = qkv + r * width, *c = cos + r * d, *s = sin_signed + r * d;
         T *kdst = k_cache + slots[r] * hkv * d, *vdst = v_cache + slots[r] * hkv * d;
@@ -209,7 +277,12 @@ void SUF(ff_paged_attention)(const T *q, const T *k_cache, const T *v_cache, con
         float *scores = group * (len + d) <= 4096 ? stack : malloc(sizeof(float) * (size_t)(group * (len + d)));
         float *acc = scores + group * len;
         const T *qh = q + (t * hq + h * group) * d;
-        for (int64_t p0 = 0; p0 < len; p0 += block_size) {  /* block by block: no division per key */
+        int fast = 0;
+#if FF_IS_BF16 && defined(__AVX512BF16__)
+        fast = d == 64 && bf16_d64_attend(0, qh, k_cache, table, len, block_size, hkv * d, h * d, scale, scores, acc,
+                                          group);
+#endif
+        for (int64_t p0 = 0; p0 < len && !fast; p0 += block_size) {  /* block by block: no division per key */
             const T *kb = k_cache + ((int64_t)table[p0 / block_size] * block_size * hkv + h) * d;
             int64_t m = len - p0 < block_size ? len - p0 : block_size;
             for (int64_t o = 0; o < m; o++) {
@@ -232,7 +305,10 @@ void SUF(ff_paged_attention)(const T *q, const T *k_cache, const T *v_cache, con
             for (int64_t p = 0; p < len; p++) sg[p] *= inv;
         }
         memset(acc, 0, sizeof(float) * (size_t)(group * d));
-        for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+#if FF_IS_BF16 && defined(__AVX512BF16__)
+        if (fast) bf16_d64_attend(1, qh, v_cache, table, len, block_size, hkv * d, h * d, scale, scores, acc, group);
+#endif
+        for (int64_t p0 = 0; p0 < len && !fast; p0 += block_size) {
             const T *vb = v_cache + ((int64_t)table[p0 / block_size] * block_size * hkv + h) * d;
             int64_t m = len - p0 < block_size ? len - p0 : block_size;
             for (int64_t o = 0; o < m; o++) {
@@ -255,8 +331,9 @@ void SUF(ff_paged_attention)(const T *q, const T *k_cache, const T *v_cache, con
 
 /* out = T(T(silu(gate)) * up) for gate_up (rows, 2 ffn) = [gate | up]; out (rows, ffn). */
 void SUF(ff_silu_mul)(const T *gate_up, int64_t rows, int64_t ffn, T *out) {
-    float buf[256];
+#pragma omp parallel for if (rows * ffn >= FF_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
+        float buf[256];
         const T *g = gate_up + r * 2 * ffn, *u = g + ffn;
         T *o = out + r * ffn;
         for (int64_t j0 = 0; j0 < ffn; j0 += 256) {
