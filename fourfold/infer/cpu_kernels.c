@@ -132,7 +132,8 @@ static int bf16_d64_attend(int pass, const uint16_t *q, const uint16_t *cache, c
 }
 #endif
 
-#define FF_PARALLEL_MIN 8192 /* elements below which a row loop stays on the calling thread */
+#define FF_PARALLEL_MIN 16384 /* elements below which a row loop stays on the calling thread (each parallel
+                                 region is a barrier that a busy shared machine can stall) */
 
 int ff_version(void) { return 1; }
 
