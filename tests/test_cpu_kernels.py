@@ -115,6 +115,7 @@ def test_float32_engine_with_kernels_equals_hugging_face_greedy():
 def test_float64_models_keep_the_torch_path():
     engine = LLMEngine.from_model(tiny_model(), ByteTokenizer(), EngineConfig(block_size=4, num_kv_blocks=16))
     decoder = engine.runner.cpu_decoder
+    assert decoder.kernels is None  # not even built for a float64 model
     calls = []
     decoder._kernel_step = lambda *a: calls.append(a)
     run_to_end(engine, {"a": ([1, 2, 3], GREEDY)})

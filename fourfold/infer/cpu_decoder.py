@@ -133,7 +133,9 @@ class CpuDecoder:
         # rotate_half(x) * sin == swap_halves(x) * [-sin_1, sin_2], exactly (negation does not round)
         self.sin_signed = torch.cat([-model.rope_sin[:, :half], model.rope_sin[:, half:]], dim=1)
         self._pool, self._caches = None, []  # per layer (k_cache, v_cache, flat k, flat v) views of the last pool
-        self.kernels = cpu_kernels.load()  # fused C kernels (fourfold.infer.cpu_kernels), or None: torch ops
+        # fused C kernels (fourfold.infer.cpu_kernels) for bf16/float32 models, else None: the torch ops below
+        fits = model.tok_embeddings.weight.dtype in cpu_kernels.SUFFIX and self.final_norm.dtype == torch.float32
+        self.kernels = cpu_kernels.load() if fits else None
 
     def _layer_caches(self, pool: KVPool) -> list[tuple[torch.Tensor, ...]]:
         """Each layer's pool tensors and their (slots, hkv, d) views, made once per pool (not per step and layer)."""
@@ -156,8 +158,7 @@ class CpuDecoder:
         """Logits (len(st.logits_for), vocab) in the model dtype for one step; writes the step's K/V to `pool`."""
         m = self.model
         x = m.tok_embeddings(st.tokens)  # (T, dim)
-        if self.kernels is not None and x.dtype in cpu_kernels.SUFFIX and pool.keys.dtype == x.dtype \
-                and self.final_norm.dtype == torch.float32:
+        if self.kernels is not None and x.dtype in cpu_kernels.SUFFIX and pool.keys.dtype == x.dtype:
             return self._kernel_step(st, pool, x)
         dtype, tokens = x.dtype, x.shape[0]
         cos = m.rope_cos[st.positions].to(dtype)[:, None]  # (T, 1, d), as the model's apply_rotary casts them

@@ -71,6 +71,37 @@ static inline float ff_exp(float x) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* bf16, head size 64, G query heads per kv head: the key pass (scores) and the value pass (weighted sum)
    of one query row over one kv head with q, the G accumulators and each key/value row in registers. */
+/* Prefetch the rows (128 bytes each, `stride` apart) of the block after p0, if any: blocks are scattered in the
+   pool, so the hardware prefetcher cannot see the next one coming. */
+static inline void prefetch_next_block(const uint16_t *cache, const int32_t *table, int64_t p0, int64_t len,
+                                       int64_t block_size, int64_t stride, int64_t first) {
+    int64_t next = p0 + block_size;
+    if (next >= len) return;
+    const uint16_t *nb = cache + (int64_t)table[next / block_size] * block_size * stride + first;
+    int64_t m = len - next < block_size ? len - next : block_size;
+    for (int64_t o = 0; o < m; o++) {
+        _mm_prefetch((const char *)(nb + o * stride), _MM_HINT_T0);
+        _mm_prefetch((const char *)(nb + o * stride + 32), _MM_HINT_T0);
+    }
+}
+
+/* The lane sums of 16 vectors, as one vector (lane i: the sum of a[i]): a transpose folded into adds. */
+static inline __m512 sum16x16(const __m512 *a) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int j = 0; j < 4; j++)
+        u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xEE));
+    for (int j = 0; j < 2; j++)
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* bf16, head size 64, G query heads per kv head: the key pass (scores) and the value pass (weighted sum)
+   of one query row over one kv head. Scores go 16 keys at a time (one pair of bf16 dot products per key
+   and head, then one transposing reduction for all 16); values with q's G accumulators in registers. */
 static inline __attribute__((always_inline)) void bf16_d64_scores(const uint16_t *q, const uint16_t *k_cache,
         const int32_t *table, int64_t len, int64_t block_size, int64_t stride, int64_t first, float scale,
         float *scores, const int G) {
@@ -79,15 +110,26 @@ static inline __attribute__((always_inline)) void bf16_d64_scores(const uint16_t
         q0[g] = (__m512bh)_mm512_loadu_si512(q + g * 64);
         q1[g] = (__m512bh)_mm512_loadu_si512(q + g * 64 + 32);
     }
+    __m512 a[16];
     for (int64_t p0 = 0; p0 < len; p0 += block_size) {
         const uint16_t *kb = k_cache + (int64_t)table[p0 / block_size] * block_size * stride + first;
         int64_t m = len - p0 < block_size ? len - p0 : block_size;
-        for (int64_t o = 0; o < m; o++) {
-            __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + o * stride);
-            __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + o * stride + 32);
+        prefetch_next_block(k_cache, table, p0, len, block_size, stride, first);
+        for (int64_t c = 0; c < m; c += 16) {
+            int64_t n = m - c < 16 ? m - c : 16;
             for (int g = 0; g < G; g++) {
-                __m512 a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0[g], k0), q1[g], k1);
-                scores[g * len + p0 + o] = scale * _mm512_reduce_add_ps(a);
+                for (int64_t o = 0; o < 16; o++) {
+                    if (o < n) {
+                        const uint16_t *k = kb + (c + o) * stride;
+                        a[o] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0[g],
+                                                                 (__m512bh)_mm512_loadu_si512(k)),
+                                                q1[g], (__m512bh)_mm512_loadu_si512(k + 32));
+                    } else {
+                        a[o] = _mm512_setzero_ps();
+                    }
+                }
+                _mm512_mask_storeu_ps(scores + g * len + p0 + c, (__mmask16)((1u << n) - 1u),
+                                      _mm512_mul_ps(_mm512_set1_ps(scale), sum16x16(a)));
             }
         }
     }
@@ -106,6 +148,7 @@ static inline __attribute__((always_inline)) void bf16_d64_values(const uint16_t
     for (int64_t p0 = 0; p0 < len; p0 += block_size) {
         const uint16_t *vb = v_cache + (int64_t)table[p0 / block_size] * block_size * stride + first;
         int64_t m = len - p0 < block_size ? len - p0 : block_size;
+        prefetch_next_block(v_cache, table, p0, len, block_size, stride, first);
         for (int64_t o = 0; o < m; o++) {
             __m512 v[4];
             for (int i = 0; i < 4; i++) v[i] = bf16x16_to_f32(vb + o * stride + 16 * i);
