@@ -37,7 +37,9 @@ def _step(lengths: list[int], new: list[int], block_size: int, gen: torch.Genera
 
 def kernel_case(kind: str, tokens: int = 1, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                 lengths: list[int] | None = None, new: list[int] | None = None, **shapes) -> dict:
-    """Random inputs for kernel `kind` ("add_rms_norm", "rope_write_kv", "attention", "silu_mul")."""
+    """Random inputs for kernel `kind` ("add_rms_norm", "rope_write_kv", "attention", "silu_mul").
+
+    Set case["in_place"] = True to have both sides write the pool itself rather than a copy (for timing)."""
     s = {**SHAPES, **shapes}
     gen = torch.Generator().manual_seed(seed)
 
@@ -80,7 +82,7 @@ def _ref_rope_write_kv(c: dict) -> tuple[torch.Tensor, ...]:
     swapped = qk.view(t, hq + hkv, 2, d // 2).flip(2).view(t, hq + hkv, d)
     rotated = qk * c["cos"][:, None]
     rotated += swapped * c["sin_signed"][:, None]
-    k_cache, v_cache = c["k_cache"].clone(), c["v_cache"].clone()
+    k_cache, v_cache = (c["k_cache"], c["v_cache"]) if c.get("in_place") else (c["k_cache"].clone(), c["v_cache"].clone())
     k_cache.view(-1, hkv, d).index_copy_(0, st.slot_mapping, rotated[:, hq:])
     v_cache.view(-1, hkv, d).index_copy_(0, st.slot_mapping, qkv[:, (hq + hkv) * d:].view(t, hkv, d))
     return rotated[:, :hq].contiguous(), k_cache, v_cache
@@ -113,7 +115,7 @@ def _fused_add_rms_norm(k, c: dict) -> tuple[torch.Tensor, ...]:
 def _fused_rope_write_kv(k, c: dict) -> tuple[torch.Tensor, ...]:
     qkv, hq, hkv, d = c["qkv"], c["hq"], c["hkv"], c["d"]
     q = torch.empty(qkv.shape[0], hq, d, dtype=qkv.dtype)
-    k_cache, v_cache = c["k_cache"].clone(), c["v_cache"].clone()
+    k_cache, v_cache = (c["k_cache"], c["v_cache"]) if c.get("in_place") else (c["k_cache"].clone(), c["v_cache"].clone())
     k.rope_write_kv(qkv, hq, hkv, d, c["cos"], c["sin_signed"], c["st"].slot_mapping, q, k_cache, v_cache)
     return q, k_cache, v_cache
 
