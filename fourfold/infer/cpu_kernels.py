@@ -7,9 +7,9 @@ Why our own C: PyTorch has no fused CPU ops for a decode step (intel-extension-f
 is retired, with no build for current torch), and a small model's CPU step is mostly the fixed cost of
 eager ops. The C file needs no torch headers, so it compiles in about a second with `cc -O3
 -march=native -shared -fPIC -fopenmp` (OpenMP resolves to the libgomp torch has already loaded, so both
-share one thread pool; without OpenMP support it compiles without). The library is cached under
-$XDG_CACHE_HOME/fourfold/ (default ~/.cache/fourfold/), named by a hash of the source, compiler, flags and
-the CPU's feature flags, so a changed file or another machine builds afresh. Set FOURFOLD_CPU_KERNELS=0
+share one thread pool; where torch brings no libgomp, only `-fopenmp-simd`: no second runtime). The
+library is cached under $XDG_CACHE_HOME/fourfold/ (default ~/.cache/fourfold/), named by a hash of the
+source, compiler, flags and the CPU's feature flags, so a changed file or another machine builds afresh. Set FOURFOLD_CPU_KERNELS=0
 to run the plain torch path; when no compiler is found or the build fails, the torch path runs and one
 debug-level log line says why. Only ever called with CPU tensors (the GPU paths never load it).
 """
@@ -32,8 +32,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.c")
 BASE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
-FLAG_CHOICES = (["-mprefer-vector-width=512", "-fopenmp"], ["-fopenmp"], [])
-"""Tried in order after BASE_FLAGS: 512-bit vectors where the compiler knows the option (x86), then OpenMP."""
+WIDE = ["-mprefer-vector-width=512"]
+"""512-bit vectors where the compiler knows the option (x86); dropped where it does not."""
+THREADS, NO_THREADS = ["-fopenmp"], ["-fopenmp-simd"]
+"""OpenMP threads only when torch's own libgomp is loaded (ours then binds to it, one thread pool); otherwise
+only the simd pragmas, so a second OpenMP runtime never competes with torch's threads."""
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 """Activation dtypes the kernels handle (others run the torch path)."""
 
@@ -71,6 +74,15 @@ def _cpu_flags() -> str:
     return platform.processor() + platform.machine()
 
 
+def _gomp_loaded() -> bool:
+    """Whether a GNU OpenMP runtime is mapped into this process already (torch's Linux wheels bring one)."""
+    try:
+        return any(pathlib.Path(line.split()[-1]).name.startswith("libgomp")
+                   for line in pathlib.Path("/proc/self/maps").read_text().splitlines() if "/" in line)
+    except OSError:
+        return False
+
+
 def cache_dir() -> pathlib.Path:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(root) / "fourfold"
@@ -79,7 +91,8 @@ def cache_dir() -> pathlib.Path:
 def _compile(cc: str, source: pathlib.Path) -> pathlib.Path:
     """The path of the built library (built now unless cached); raises on failure."""
     text = source.read_bytes()
-    for flags in (BASE_FLAGS + extra for extra in FLAG_CHOICES):
+    threads = THREADS if _gomp_loaded() else NO_THREADS
+    for flags in (BASE_FLAGS + WIDE + threads, BASE_FLAGS + threads, BASE_FLAGS):
         key = hashlib.sha256(b"\0".join([text, cc.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))
         target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:20]}.so"
         if target.exists():
