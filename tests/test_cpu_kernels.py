@@ -4,6 +4,7 @@ Face's in float32, and the loader caches its build and falls back when turned of
 Skipped only where no C compiler exists (CI installs gcc, so there they run)."""
 
 import copy
+import ctypes
 
 import pytest
 import torch
@@ -145,3 +146,15 @@ def test_off_switch_and_broken_compiler_fall_back(tmp_path, monkeypatch):
     assert cpu_kernels.load.__wrapped__() is None
     monkeypatch.delenv("CC")
     assert cpu_kernels.load.__wrapped__() is not None
+
+
+def test_build_without_openmp_threads_computes_the_same(tmp_path, monkeypatch):
+    """Where torch brings no libgomp the kernels build with simd pragmas only (no second OpenMP runtime)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_gomp_loaded", lambda: False)
+    k = cpu_kernels.Kernels(ctypes.CDLL(str(cpu_kernels._compile(cpu_kernels.compiler(), cpu_kernels.SOURCE))))
+    assert k.lib.ff_max_threads() == 1
+    for kind, args in (("attention", dict(MIXED, d=64, hq=6, hkv=2)), ("add_rms_norm", dict(tokens=40))):
+        case = kernel_case(kind, dtype=torch.bfloat16, seed=2, **{**SMALL, **args})
+        for w, g in zip(REFERENCE[kind](case), FUSED[kind](k, case)):
+            torch.testing.assert_close(g.float(), w.float(), rtol=BF16_TOL[kind], atol=BF16_TOL[kind])

@@ -9,7 +9,9 @@ once, and packed for oneDNN in bf16: fourfold.infer.cpu_linear), the rotary embe
 in four ops, the pool write, attention planned once per step (fourfold.infer.cpu_attention), and the
 norms on precomputed float32 weights. Every op rounds where the model's eager forward rounds (residual
 adds and rotary products in the activation dtype, norms in float32), so greedy tokens match up to
-reduction order.
+reduction order. For bf16 and float32 models the small ops between the linears run as fused C kernels
+(fourfold.infer.cpu_kernels: add+norm, rotary + pool write, decode attention, SiLU*up; same roundings)
+when a C compiler is there; otherwise, and for float64, the torch ops below.
 
 Weights: the model's wq/wk/wv and w1/w3 become row slices of the fused projection (views of one tensor
 for plain nn.Linear; for packed bf16 linears, modules that run the fused product and slice its output),
