@@ -2,6 +2,7 @@
 
     python bench/generate_cpu.py --model runs/smollm2 [--hf-model DIR] [--batches 1 16] [--prompt-len 64]
                                  [--new-tokens 64] [--dtype bf16] [--threads N] [--repeat R] [--json out.json]
+                                 [--kernels-ab]
 
 `--model` is a fourfold model directory (a run, a checkpoint, or a Hugging Face import once it lands);
 the peer is `--hf-model` (the original Hugging Face directory) or, by default, a LlamaForCausalLM built
@@ -12,7 +13,8 @@ timed runs, fourfold and HF alternating, `--repeat` times (the best of each coun
 generated tokens over the wall time of the whole batch, prefill included. Beside the wall-clock ratio it
 prints the ratio of process CPU time (user + system of all threads), which a busy shared machine
 disturbs less (with several threads it also counts threads spinning at barriers). Prints one row per
-batch size; `--json` writes the rows.
+batch size; `--json` writes the rows. `--kernels-ab` also times fourfold with its fused C kernels off
+(fourfold.infer.cpu_kernels; the CPU step's torch ops instead), in the same process and rounds.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="timed runs per engine and batch size (best counts)")
     p.add_argument("--json", default=None)
+    p.add_argument("--kernels-ab", action="store_true", help="also time fourfold with the fused C kernels off")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -101,6 +104,9 @@ def main() -> None:
               config=EngineConfig(max_num_seqs=max(a.batches), max_num_batched_tokens=max(a.batches) * a.prompt_len,
                                   enable_prefix_caching=False))
     model = llm.engine.runner.model
+    decoder = llm.engine.runner.cpu_decoder
+    kernels = decoder.kernels if decoder is not None else None
+    print(f"fourfold CPU step: {'fused C kernels' if kernels is not None else 'torch ops (no C kernels)'}")
     if a.hf_model:
         import transformers
         hf = transformers.AutoModelForCausalLM.from_pretrained(a.hf_model, torch_dtype=dtype).eval()
@@ -114,23 +120,33 @@ def main() -> None:
         prompts = torch.randint(0, model.cfg.vocab_size, (batch, a.prompt_len), generator=gen)
         time_fourfold(llm, prompts, min(a.new_tokens, 4))
         time_hf(hf, prompts, min(a.new_tokens, 4))
-        ours, theirs = [], []
+        ours, theirs, plain = [], [], []
         for _ in range(a.repeat):
             ours.append(time_fourfold(llm, prompts, a.new_tokens))
             theirs.append(time_hf(hf, prompts, a.new_tokens))
+            if a.kernels_ab and kernels is not None:
+                decoder.kernels = None
+                plain.append(time_fourfold(llm, prompts, a.new_tokens))
+                decoder.kernels = kernels
         tokens = batch * a.new_tokens
         wall_ours, wall_hf = min(w for w, _ in ours), min(w for w, _ in theirs)
         cpu_ours, cpu_hf = min(c for _, c in ours), min(c for _, c in theirs)
         row = {"batch": batch, "fourfold_tok_s": tokens / wall_ours, "hf_tok_s": tokens / wall_hf,
                "ratio": wall_hf / wall_ours, "fourfold_cpu_ms_per_token": 1e3 * cpu_ours / tokens,
                "hf_cpu_ms_per_token": 1e3 * cpu_hf / tokens, "cpu_ratio": cpu_hf / cpu_ours}
+        if plain:
+            row["fourfold_no_kernels_tok_s"] = tokens / min(w for w, _ in plain)
+            row["kernels_speedup"] = min(w for w, _ in plain) / wall_ours
         rows.append(row)
         print(f"{batch:>5} {row['fourfold_tok_s']:>15.1f} {row['hf_tok_s']:>10.1f} {row['ratio']:>6.2f} "
-              f"{row['fourfold_cpu_ms_per_token']:>18.2f} {row['hf_cpu_ms_per_token']:>7.2f} {row['cpu_ratio']:>9.2f}")
+              f"{row['fourfold_cpu_ms_per_token']:>18.2f} {row['hf_cpu_ms_per_token']:>7.2f} {row['cpu_ratio']:>9.2f}"
+              + (f"   C kernels off: {row['fourfold_no_kernels_tok_s']:.1f} tok/s (kernels {row['kernels_speedup']:.2f}x)"
+                 if plain else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "dtype": a.dtype, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-                       "threads": torch.get_num_threads(), "repeat": a.repeat, "rows": rows}, f, indent=2)
+                       "threads": torch.get_num_threads(), "repeat": a.repeat, "c_kernels": kernels is not None,
+                       "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ once, and packed for oneDNN in bf16: fourfold.infer.cpu_linear), the rotary embe
 in four ops, the pool write, attention planned once per step (fourfold.infer.cpu_attention), and the
 norms on precomputed float32 weights. Every op rounds where the model's eager forward rounds (residual
 adds and rotary products in the activation dtype, norms in float32), so greedy tokens match up to
-reduction order.
+reduction order. For bf16 and float32 models the small ops between the linears run as fused C kernels
+(fourfold.infer.cpu_kernels: add+norm, rotary + pool write, decode attention, SiLU*up; same roundings)
+when a C compiler is there; otherwise, and for float64, the torch ops below.
 
 Weights: the model's wq/wk/wv and w1/w3 become row slices of the fused projection (views of one tensor
 for plain nn.Linear; for packed bf16 linears, modules that run the fused product and slice its output),
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fourfold.infer import cpu_kernels
 from fourfold.infer.cpu_attention import CpuStepAttention
 from fourfold.infer.cpu_linear import PackedLinear, packing_works
 from fourfold.infer.kv_pool import KVPool
@@ -107,6 +110,7 @@ class _Layer:
         self.wo, self.w2 = _project(att.wo), _project(ffn.w2)
         self.attn_norm, self.ffn_norm = _norm_weight(block.attention_norm), _norm_weight(block.ffn_norm)
         self.eps = block.attention_norm.eps
+        self.norm_ptrs = (self.attn_norm.data_ptr(), self.ffn_norm.data_ptr())
 
 
 def _norm_weight(norm: nn.Module) -> torch.Tensor:
@@ -131,6 +135,9 @@ class CpuDecoder:
         # rotate_half(x) * sin == swap_halves(x) * [-sin_1, sin_2], exactly (negation does not round)
         self.sin_signed = torch.cat([-model.rope_sin[:, :half], model.rope_sin[:, half:]], dim=1)
         self._pool, self._caches = None, []  # per layer (k_cache, v_cache, flat k, flat v) views of the last pool
+        # fused C kernels (fourfold.infer.cpu_kernels) for bf16/float32 models, else None: the torch ops below
+        fits = model.tok_embeddings.weight.dtype in cpu_kernels.SUFFIX and self.final_norm.dtype == torch.float32
+        self.kernels = cpu_kernels.load() if fits else None
 
     def _layer_caches(self, pool: KVPool) -> list[tuple[torch.Tensor, ...]]:
         """Each layer's pool tensors and their (slots, hkv, d) views, made once per pool (not per step and layer)."""
@@ -153,6 +160,8 @@ class CpuDecoder:
         """Logits (len(st.logits_for), vocab) in the model dtype for one step; writes the step's K/V to `pool`."""
         m = self.model
         x = m.tok_embeddings(st.tokens)  # (T, dim)
+        if self.kernels is not None and x.dtype in cpu_kernels.SUFFIX and pool.keys.dtype == x.dtype:
+            return self._kernel_step(st, pool, x)
         dtype, tokens = x.dtype, x.shape[0]
         cos = m.rope_cos[st.positions].to(dtype)[:, None]  # (T, 1, d), as the model's apply_rotary casts them
         sin = self.sin_signed[st.positions].to(dtype)[:, None]
@@ -178,3 +187,45 @@ class CpuDecoder:
             x = lay.w2(F.silu(gate_up[:, :lay.ffn_dim]) * gate_up[:, lay.ffn_dim:])
         h = (residual + x)[st.logits_for]
         return self.head(_rms_norm(h, self.final_norm, self.eps))
+
+    def _kernel_step(self, st: StepTensors, pool: KVPool, x: torch.Tensor) -> torch.Tensor:
+        """The step with the fused C kernels between the packed linears: per layer add+norm, q|k|v, rotary + pool
+        write, paged attention, wo, add+norm, gate|up, SiLU*up, w2 (the same roundings as the torch ops)."""
+        m, k = self.model, self.kernels
+        dtype, tokens, dim = x.dtype, x.shape[0], x.shape[1]
+        add_norm, rope = k.get("ff_add_rms_norm", dtype), k.get("ff_rope_write_kv", dtype)
+        attend, silu_mul = k.get("ff_paged_attention", dtype), k.get("ff_silu_mul", dtype)
+        cos = m.rope_cos[st.positions].to(dtype).contiguous()
+        sin = self.sin_signed[st.positions].to(dtype).contiguous()
+        slots, tables = st.slot_mapping.contiguous(), st.block_tables.contiguous()
+        lens, starts = st.seq_lens.contiguous(), st.query_start.contiguous()
+        step_ptrs = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), lens.shape[0])
+        lay0 = self.layers[0][1]
+        hq, hkv, d = lay0.n_heads, lay0.n_kv_heads, lay0.head_dim
+        residual, normed = x, torch.empty_like(x)
+        q, out = torch.empty(tokens, hq * d, dtype=dtype), torch.empty(tokens, hq * d, dtype=dtype)
+        act = torch.empty(tokens, lay0.ffn_dim, dtype=dtype)
+        rp, np_, qp, op, ap = residual.data_ptr(), normed.data_ptr(), q.data_ptr(), out.data_ptr(), act.data_ptr()
+        cp, sp, slp = cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
+        scale, bs = d ** -0.5, pool.block_size
+        # decode-only steps attend in C; steps with prompt chunks use the torch plan (SDPA is faster on those)
+        plan = None if tokens == lens.shape[0] else CpuStepAttention(st, bs)
+        add = None
+        for (_, lay), (k_cache, v_cache, flat_k, flat_v) in zip(self.layers, self._layer_caches(pool)):
+            kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
+            add_norm(rp, add, lay.norm_ptrs[0], np_, tokens, dim, lay.eps)
+            qkv = lay.qkv(normed)
+            rope(qkv.data_ptr(), tokens, hq, hkv, d, cp, sp, slp, qp, kp, vp)
+            if plan is None:
+                attend(qp, kp, vp, *step_ptrs, hq, hkv, d, bs, scale, op)
+                o = lay.wo(out)
+            else:
+                o = lay.wo(plan.attend(q.view(tokens, hq, d), flat_k[slots], flat_v[slots], k_cache, v_cache, scale)
+                           .reshape(tokens, hq * d))
+            add_norm(rp, o.data_ptr(), lay.norm_ptrs[1], np_, tokens, dim, lay.eps)
+            gate_up = lay.gate_up(normed)
+            silu_mul(gate_up.data_ptr(), tokens, lay.ffn_dim, ap)
+            x = lay.w2(act)
+            add = x.data_ptr()
+        add_norm(rp, add, self.final_norm.data_ptr(), np_, tokens, dim, self.eps)
+        return self.head(normed[st.logits_for])
