@@ -155,7 +155,7 @@ def main() -> int:
     results.update(arms)
     results["bytes"] = all_bytes(cfg, control, converted)
     results["seconds"] = time.time() - start
-    title = (f"{a.device.upper()}: SmolLM2-135M-Instruct, fine-tuned {a.finetune_steps} steps on Python source "
+    title = (f"{results['device_name']}: SmolLM2-135M-Instruct, fine-tuned {a.finetune_steps} steps on Python source "
              f"(lr {a.finetune_lr:g}); PTQ vs QAT")
     write_outputs(results, Path(a.out), a.plot, title)
     print(f"wrote {a.out}/results.json and {a.plot} in {results['seconds']:.0f}s")
