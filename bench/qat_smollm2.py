@@ -38,7 +38,7 @@ from fourfold.models.llama import Llama  # noqa: E402
 from fourfold.quant.qat import prepare_qat  # noqa: E402
 from fourfold.tokenizer import load_tokenizer  # noqa: E402
 from fourfold.train.dataset import PackedSequences, token_file  # noqa: E402
-from qat_common import all_bytes, compare_arms, evaluator, ptq_sweep, write_outputs  # noqa: E402
+from qat_common import all_bytes, calibration_batches, compare_arms, evaluator, ptq_sweep, write_outputs  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -59,6 +59,8 @@ def parse_args():
     p.add_argument("--qat-schemes", default="int4-g64,8da4w-g64")
     p.add_argument("--ptq-schemes", default="int8,int4-g32,int4-g64,int4-g64-asym,8da4w-g64")
     p.add_argument("--train-embeddings", action="store_true", help="fine-tune the (tied) embedding too")
+    p.add_argument("--gptq-calibration", type=int, default=0,
+                   help="training windows for GPTQ's calibration; > 0 adds GPTQ of the base and of the control as PTQ arms")
     p.add_argument("--eval-sequences", type=int, default=32)
     p.add_argument("--max-bytes", type=int, default=8_000_000)
     p.add_argument("--data", default=None, help="corpus (default: the Python standard library's source)")
@@ -149,9 +151,13 @@ def main() -> int:
     if a.finetune_steps == 0:
         return ptq_only(base, results, evaluate, a, layers, start)
     results["base"]["ptq"] = ptq_sweep(base, [s for s in a.ptq_schemes.split(",") if s], evaluate, layers, "base")
+    calibration = calibration_batches(train_set, a.gptq_calibration, a.seed)
+    if calibration:
+        results["base"]["ptq_gptq"] = ptq_sweep(base, [s for s in a.qat_schemes.split(",") if s], evaluate, layers,
+                                                "base", method="gptq", calibration=calibration)
     arms, control, converted = compare_arms(
         base, train_set, evaluate, schemes=[s for s in a.qat_schemes.split(",") if s], steps=a.finetune_steps,
-        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, weight_decay=a.weight_decay)
+        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, calibration=calibration, weight_decay=a.weight_decay)
     results.update(arms)
     results["bytes"] = all_bytes(cfg, control, converted)
     results["seconds"] = time.time() - start
