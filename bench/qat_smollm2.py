@@ -35,7 +35,7 @@ from fourfold.checkpoint.listing import find_checkpoint  # noqa: E402
 from fourfold.checkpoint.store import load_checkpoint, read_meta  # noqa: E402
 from fourfold.config import build_config  # noqa: E402
 from fourfold.models.llama import Llama  # noqa: E402
-from fourfold.quant.qat import prepare_qat  # noqa: E402
+from fourfold.quant.qat import prepare_qat, ptq  # noqa: E402
 from fourfold.tokenizer import load_tokenizer  # noqa: E402
 from fourfold.train.dataset import PackedSequences, token_file  # noqa: E402
 from qat_common import all_bytes, calibration_batches, compare_arms, evaluator, ptq_sweep, write_outputs  # noqa: E402
@@ -93,9 +93,10 @@ def base_checkpoint(a) -> Path:
     return out
 
 
-def ptq_only(base, results: dict, evaluate, a, layers: dict, start: float) -> int:
+def ptq_only(base, results: dict, evaluate, a, layers: dict, start: float, calibration: list) -> int:
     """--finetune-steps 0: round-to-nearest fake-quant of the base per scheme (fp32 matmuls: the fast path on a
-    CPU), results.json and a table; the fake-quant and converted models compute the same function."""
+    CPU), and GPTQ of it (converted) when there are calibration batches; results.json and a table. The
+    fake-quant and converted models compute the same function."""
     fp = results["base"]["fp32"]
     results["base"]["ptq_fake"] = {}
     lines = ["| scheme (PTQ of the base, fake-quant) | token ppl | word ppl | vs full precision |", "|---|---:|---:|---:|",
@@ -105,6 +106,15 @@ def ptq_only(base, results: dict, evaluate, a, layers: dict, start: float) -> in
         lines.append(f"| {name} | {r['token_ppl']:.4f} | {r['word_ppl']:.3f} | "
                      f"{100 * (r['token_ppl'] / fp['token_ppl'] - 1):+.2f}% |")
         print(lines[-1], flush=True)
+    results["base"]["ptq_gptq"] = {}
+    for name in [s for s in a.ptq_schemes.split(",") if s] if calibration else []:
+        t0 = time.time()
+        model = ptq(copy.deepcopy(base), name, method="gptq", calibration=calibration, **layers)
+        gptq_seconds = time.time() - t0
+        r = results["base"]["ptq_gptq"][name] = {**evaluate(model), "gptq_seconds": gptq_seconds}
+        lines.append(f"| {name}, GPTQ ({a.gptq_calibration} windows, converted) | {r['token_ppl']:.4f} | "
+                     f"{r['word_ppl']:.3f} | {100 * (r['token_ppl'] / fp['token_ppl'] - 1):+.2f}% |")
+        print(lines[-1], f"(GPTQ took {gptq_seconds:.0f}s)", flush=True)
     results["seconds"] = time.time() - start
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +159,8 @@ def main() -> int:
     print(f"base: token ppl {results['base']['fp32']['token_ppl']:.4f}", flush=True)
     layers = {"output": False, "embeddings": False}
     if a.finetune_steps == 0:
-        return ptq_only(base, results, evaluate, a, layers, start)
+        return ptq_only(base, results, evaluate, a, layers, start,
+                        calibration_batches(train_set, a.gptq_calibration, a.seed))
     results["base"]["ptq"] = ptq_sweep(base, [s for s in a.ptq_schemes.split(",") if s], evaluate, layers, "base")
     calibration = calibration_batches(train_set, a.gptq_calibration, a.seed)
     if calibration:
@@ -157,7 +168,8 @@ def main() -> int:
                                                 "base", method="gptq", calibration=calibration)
     arms, control, converted = compare_arms(
         base, train_set, evaluate, schemes=[s for s in a.qat_schemes.split(",") if s], steps=a.finetune_steps,
-        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, calibration=calibration, weight_decay=a.weight_decay)
+        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, calibration=calibration,
+        weight_decay=a.weight_decay)
     results.update(arms)
     results["bytes"] = all_bytes(cfg, control, converted)
     results["seconds"] = time.time() - start

@@ -14,9 +14,9 @@ from fourfold.config import ModelConfig
 from fourfold.errors import ConfigError
 from fourfold.models.llama import Llama
 from fourfold.quant.fake_quant import dequantize_weight, quantize_weight
-from fourfold.quant.gptq import gptq_quantize, input_hessians
-from fourfold.quant.packing import Int4WeightLinear, Int8WeightLinear
-from fourfold.quant.qat import apply_checkpoint_quant, ptq, quant_meta
+from fourfold.quant.gptq import block_inputs, gptq_modules, gptq_quantize, input_hessians
+from fourfold.quant.packing import Int4WeightLinear, Int8WeightLinear, pack_int4
+from fourfold.quant.qat import apply_checkpoint_quant, ptq, quant_meta, quant_targets
 from fourfold.quant.schemes import scheme_by_name
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320, max_seq_len=32)
@@ -64,18 +64,42 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest(name):
         assert torch.equal(got, want)
 
 
-def test_input_hessians_stop_after_the_block_and_match_the_inputs():
+def test_input_hessians_match_the_inputs_and_block_inputs_stop_before_the_block():
     model = _model().eval()
-    seen = []
-    hook = model.layers["0"].attention.wq.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 64)))
-    head_calls = []
+    seen, head_calls = [], []
+    wq = model.layers["0"].attention.wq
+    hook = wq.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 64)))
     model.output.register_forward_pre_hook(lambda m, a: head_calls.append(1))
     batches = _batches(2)
-    h = input_hessians(model, {"wq": model.layers["0"].attention.wq}, batches, stop_after=model.layers["0"])
+    h = input_hessians({"wq": wq}, lambda: [model(b) for b in batches])
     hook.remove()
     x = torch.cat(seen)
     torch.testing.assert_close(h["wq"], x.T @ x / x.shape[0])
-    assert not head_calls    # the forward stopped after block 0
+    head_calls.clear()
+    kept = block_inputs(model, model.layers["0"], batches)
+    assert len(kept) == 2 and not head_calls and kept[0][0][0].shape == (2, 16, 64)
+
+
+def test_block_by_block_calibration_equals_rerunning_the_whole_model():
+    """gptq_modules keeps each block's inputs instead of re-running the model: the same integers as a plain
+    loop that, block after block, runs the whole (partly rounded) model to collect H."""
+    scheme, batches = scheme_by_name("int4-g32"), _batches()
+    model = _model()
+    fast = gptq_modules(model, quant_targets(model), scheme, batches)
+    slow_model = _model().eval()
+    slow = {}
+    for block in ("layers.0", "layers.1"):
+        stage = {n: m for n, m in quant_targets(slow_model) if n.startswith(block + ".")}
+        hessians = input_hessians(stage, lambda: [slow_model(b) for b in batches])
+        for name, linear in stage.items():
+            q, scales, zeros = gptq_quantize(linear.weight, hessians[name], scheme)
+            with torch.no_grad():
+                linear.weight.copy_(dequantize_weight(q, scales, zeros, scheme))
+            slow[name] = q
+    assert fast.keys() == slow.keys()
+    for name, q in slow.items():
+        packed = pack_int4(q.to(torch.int16) + 8)
+        assert torch.equal(fast[name].weight_int4, packed), name
 
 
 @pytest.mark.parametrize("name", ["int4-g32", "8da4w-g64", "int8"])

@@ -9,9 +9,11 @@ rounding error (round to nearest). The integers, scales and zero points land in 
 round to nearest produces (fourfold-packed-v1), so conversion, checkpoints and the engine take them unchanged.
 
 Choices (own code, plain PyTorch):
-- Layers go in model order, one transformer block at a time: the calibration batches run through the model
-  with the blocks before already rounded (so a block sees the inputs the quantized model will give it), the
-  forward stops after the block, and every target linear of the block is rounded from its own H.
+- Layers go in model order, one transformer block at a time. The calibration batches run through the model
+  once, up to the first block, whose inputs are kept; each block then runs on its kept inputs (hooks add up
+  every target linear's H), is rounded, and runs again, rounded, to give the next block its inputs: a block
+  is calibrated on what the quantized model will feed it, at one block's cost per block. A quantized head
+  (outside the blocks) is calibrated by one more whole forward.
 - Scales and zero points use the scheme's own formula (fake_quant.weight_qparams: min/max of the group, scale
   rounded to the scheme's dtype), computed for each group from its columns *after* the errors of the earlier
   groups were folded in, as GPTQ does with groups. Per-channel int8 takes its scales from the whole weight first.
@@ -22,7 +24,7 @@ Choices (own code, plain PyTorch):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -39,10 +41,9 @@ class _StopForward(Exception):
 
 
 @torch.no_grad()
-def input_hessians(model: nn.Module, linears: dict[str, nn.Linear], calibration: Iterable[torch.Tensor],
-                   stop_after: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """{name: X^T X / n} (float32, [in, in]) of each linear's inputs X over the calibration token batches."""
-    device = next(model.parameters()).device
+def input_hessians(linears: dict[str, nn.Linear], run: Callable[[], None]) -> dict[str, torch.Tensor]:
+    """{name: X^T X / n} (float32, [in, in]) of each linear's inputs X over the forwards that `run()` makes."""
+    device = next(iter(linears.values())).weight.device
     sums = {n: torch.zeros(m.in_features, m.in_features, device=device) for n, m in linears.items()}
     rows = dict.fromkeys(linears, 0)
 
@@ -53,12 +54,26 @@ def input_hessians(model: nn.Module, linears: dict[str, nn.Linear], calibration:
             rows[name] += x.shape[0]
         return hook
 
-    def stop(module, args, output):
+    hooks = [m.register_forward_pre_hook(record(n)) for n, m in linears.items()]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: sums[n] / max(1, rows[n]) for n in linears}
+
+
+@torch.no_grad()
+def block_inputs(model: nn.Module, first_block: nn.Module, calibration: Iterable[torch.Tensor]) -> list[tuple]:
+    """(args, kwargs) that `first_block` receives for each calibration batch; the forward stops there."""
+    device = next(model.parameters()).device
+    kept = []
+
+    def keep(module, args, kwargs):
+        kept.append((args, kwargs))
         raise _StopForward
 
-    hooks = [m.register_forward_pre_hook(record(n)) for n, m in linears.items()]
-    if stop_after is not None:
-        hooks.append(stop_after.register_forward_hook(stop))
+    hook = first_block.register_forward_pre_hook(keep, with_kwargs=True)
     try:
         for tokens in calibration:
             try:
@@ -66,9 +81,8 @@ def input_hessians(model: nn.Module, linears: dict[str, nn.Linear], calibration:
             except _StopForward:
                 pass
     finally:
-        for h in hooks:
-            h.remove()
-    return {n: sums[n] / max(1, rows[n]) for n in linears}
+        hook.remove()
+    return kept
 
 
 @torch.no_grad()
@@ -129,16 +143,16 @@ def packed_linear(linear: nn.Linear, q: torch.Tensor, scales: torch.Tensor, zero
     return out.to(linear.weight.device)
 
 
-def _stages(model: nn.Module, linears: list[tuple[str, nn.Linear]]) -> list[tuple[nn.Module | None, dict]]:
-    """Target linears grouped by transformer block in model order: (block to stop after, {name: linear}); the
-    head (outside any block) last, with no stop."""
-    stages: dict[str, dict] = {}
-    for name, module in linears:
-        parts = name.split(".")
-        key = ".".join(parts[:2]) if parts[0] == "layers" else ""
-        stages.setdefault(key, {})[name] = module
-    ordered = [k for k, _ in model.named_modules() if k and k in stages] + ([""] if "" in stages else [])
-    return [(model.get_submodule(k) if k else None, stages[k]) for k in ordered]
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks ("layers.<i>") in the order the forward runs them."""
+    return [(n, m) for n, m in model.named_modules() if n.startswith("layers.") and n.count(".") == 1]
+
+
+def _round_stage(stage: dict[str, nn.Linear], hessians: dict, scheme: QuantScheme, damp: float, out: dict) -> None:
+    for name, linear in stage.items():
+        q, scales, zeros = gptq_quantize(linear.weight, hessians[name], scheme, damp=damp)
+        linear.weight.copy_(dequantize_weight(q, scales, zeros, scheme, linear.weight.dtype))
+        out[name] = packed_linear(linear, q, scales, zeros, scheme)
 
 
 @torch.no_grad()
@@ -147,16 +161,30 @@ def gptq_modules(model: nn.Module, linears: list[tuple[str, nn.Linear]], scheme:
     """{name: packed module} for every linear of `linears`, rounded by GPTQ block after block. Each linear's
     float weight is replaced in place by its rounded value as it goes (so later blocks calibrate on the
     quantized model's inputs); the caller swaps in the returned modules."""
+    by_block: dict[str, dict] = {}
+    for name, module in linears:
+        parts = name.split(".")
+        by_block.setdefault(".".join(parts[:2]) if parts[0] == "layers" else "", {})[name] = module
     was_training = model.training
     model.eval()
-    out = {}
+    out: dict[str, nn.Module] = {}
     try:
-        for stop_after, stage in _stages(model, linears):
-            hessians = input_hessians(model, stage, calibration, stop_after)
-            for name, linear in stage.items():
-                q, scales, zeros = gptq_quantize(linear.weight, hessians[name], scheme, damp=damp)
-                linear.weight.copy_(dequantize_weight(q, scales, zeros, scheme, linear.weight.dtype))
-                out[name] = packed_linear(linear, q, scales, zeros, scheme)
+        blocks, left = _blocks(model), sum(1 for k in by_block if k)
+        inputs = block_inputs(model, blocks[0][1], calibration) if left else []
+        for block_name, block in blocks:
+            if not left:
+                break
+            if block_name in by_block:
+                def run(block=block):
+                    for args, kwargs in inputs:
+                        block(*args, **kwargs)
+                _round_stage(by_block[block_name], input_hessians(by_block[block_name], run), scheme, damp, out)
+                left -= 1
+            inputs = [((block(*args, **kwargs), *args[1:]), kwargs) for args, kwargs in inputs]
+        if "" in by_block:   # the head: one whole forward of the (already rounded) model
+            device = next(model.parameters()).device
+            hessians = input_hessians(by_block[""], lambda: [model(t.to(device)) for t in calibration])
+            _round_stage(by_block[""], hessians, scheme, damp, out)
     finally:
         model.train(was_training)
     return out
