@@ -12,6 +12,7 @@ corpus's last files) in full precision (the control) and with QAT per scheme, PT
 recovered fraction. SmolLM2's dim is 576, so only groups of 32 and 64 divide every layer; its GGUF
 weights sit on a 4-bit asymmetric group-32 grid, so symmetric groups of 64 (and 8da4w) are where
 rounding costs something. The tied embedding/head stays full precision (and, by default, frozen).
+--gptq-calibration N adds GPTQ (fourfold.quant.gptq, calibrated on N training windows) as one more PTQ arm.
 Writes results.json and table.md into --out and the plot to --plot (and a copy into --out).
 """
 

@@ -13,6 +13,7 @@
    (the control) and with QAT per scheme; PTQ of the control; recovered = (ppl(PTQ of control) - ppl(QAT)) /
    (ppl(PTQ of control) - ppl(control)), on converted models and on fake-quant ones.
 4. Bytes of each converted model on disk (a fourfold checkpoint) and in memory, against bf16.
+With --gptq-calibration N, GPTQ (calibrated on N training windows) is one more PTQ arm in steps 2 and 3.
 
 Training is a plain loop (AdamW, cosine, clip 1.0; fp32 weights, bf16 autocast on CUDA) around fourfold's
 model, so every arm shares one code path and the same batches; `fourfold train --quant.qat` runs the same
