@@ -83,22 +83,37 @@ def recovered(ptq_ppl: float, qat_ppl: float, fp_ppl: float) -> float | None:
     return None if gap <= 0 else (ptq_ppl - qat_ppl) / gap
 
 
-def ptq_sweep(model, schemes: list[str], evaluate, layers: dict, label: str) -> dict:
-    """{scheme: perplexity of round-to-nearest PTQ of `model`}, converted models (packed int4/int8)."""
+def calibration_batches(train_set, sequences: int, seed: int, batch: int = 8) -> list[torch.Tensor]:
+    """GPTQ's calibration data: `sequences` training windows (a seeded random choice) in batches of `batch`."""
+    if sequences <= 0:
+        return []
+    picks = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed + 7))[:sequences].tolist()
+    rows = torch.stack([train_set[i] for i in picks])[:, :-1]   # a window is inputs + the last target
+    return list(rows.split(batch))
+
+
+def ptq_sweep(model, schemes: list[str], evaluate, layers: dict, label: str, method: str = "rtn",
+              calibration: list | None = None) -> dict:
+    """{scheme: perplexity of PTQ of `model`} by `method` (round to nearest, or GPTQ on `calibration`), converted
+    models (packed int4/int8)."""
     out = {}
     for name in schemes:
-        out[name] = evaluate(ptq(copy.deepcopy(model), name, **layers))
-        print(f"  PTQ {name} of the {label}: token ppl {out[name]['token_ppl']:.4f}", flush=True)
+        out[name] = evaluate(ptq(copy.deepcopy(model), name, method=method, calibration=calibration, **layers))
+        print(f"  PTQ ({method}) {name} of the {label}: token ppl {out[name]['token_ppl']:.4f}", flush=True)
     return out
 
 
 def compare_arms(base, train_set, evaluate, *, schemes: list[str], steps: int, lr: float, batch: int, seed: int,
-                 layers: dict, bf16: bool, weight_decay: float = 0.1) -> tuple[dict, object, dict]:
+                 layers: dict, bf16: bool, weight_decay: float = 0.1,
+                 calibration: list | None = None) -> tuple[dict, object, dict]:
     """Fine-tune copies of `base` N steps on the same batches: the control (full precision) and QAT per scheme.
 
     Returns (results with "finetune", "control", "qat" entries, the control model, {scheme: converted QAT
     model}). "recovered_*" uses the converted models on both sides (PTQ of the control, QAT converted);
     "recovered_fake_*" the fake-quant ones (the same integers, evaluated in the model's float dtype).
+    With `calibration` batches, GPTQ of the control is one more PTQ arm: "control"/"ptq_gptq", the share of
+    round-to-nearest's loss that GPTQ wins back without training ("gptq_recovered_*") and the share of GPTQ's own
+    loss that QAT wins back ("recovered_vs_gptq_*").
     """
     results = {"finetune": {}, "control": {"ptq": {}, "ptq_fake": {}}, "qat": {}}
     arms = {}
@@ -126,6 +141,13 @@ def compare_arms(base, train_set, evaluate, *, schemes: list[str], steps: int, l
         for unit in ("token_ppl", "word_ppl"):
             r[f"recovered_{unit}"] = recovered(ptq_conv[unit], conv[unit], fp[unit])
             r[f"recovered_fake_{unit}"] = recovered(ptq_fake[unit], fake[unit], fp[unit])
+        if calibration:
+            gptq = results["control"].setdefault("ptq_gptq", {})[name] = evaluate(
+                ptq(copy.deepcopy(control), name, method="gptq", calibration=calibration, **layers))
+            for unit in ("token_ppl", "word_ppl"):
+                r[f"gptq_recovered_{unit}"] = recovered(ptq_conv[unit], gptq[unit], fp[unit])
+                r[f"recovered_vs_gptq_{unit}"] = recovered(gptq[unit], conv[unit], fp[unit])
+            print(f"  PTQ (gptq) {name} of the control: token ppl {gptq['token_ppl']:.4f}", flush=True)
         print(f"QAT {name}: converted token ppl {conv['token_ppl']:.4f} (fake-quant {fake['token_ppl']:.4f}); "
               f"PTQ of control {ptq_conv['token_ppl']:.4f} (fake-quant {ptq_fake['token_ppl']:.4f}); control "
               f"{fp['token_ppl']:.4f}; recovered {r['recovered_token_ppl']} (fake-quant "
@@ -134,9 +156,11 @@ def compare_arms(base, train_set, evaluate, *, schemes: list[str], steps: int, l
 
 
 def model_bytes(model, tmp: Path, meta: dict) -> dict:
-    """Bytes of the model's tensors in memory (all, and the block linears' alone) and of its checkpoint on disk."""
+    """Bytes of the model's tensors in memory (all, tied ones once; and the block linears' alone) and of its checkpoint
+    on disk."""
     state = model.state_dict()
-    memory = sum(t.numel() * t.element_size() for t in state.values())
+    unique = {t.data_ptr(): t for t in state.values()}   # a tied head and embedding are one tensor in memory
+    memory = sum(t.numel() * t.element_size() for t in unique.values())
     linears = sum(t.numel() * t.element_size() for k, t in state.items()
                   if k.startswith("layers.") and "norm" not in k)
     ckpt = save_checkpoint(tmp, 0, model, None, meta, keep=1, writer=True)

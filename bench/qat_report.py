@@ -20,6 +20,9 @@ def markdown_tables(results: dict) -> str:
     for name, r in base["ptq"].items():
         rel = 100 * (r["token_ppl"] / base["fp32"]["token_ppl"] - 1)
         lines.append(f"| {name} | {r['token_ppl']:.4f} | {r['word_ppl']:.3f} | {rel:+.2f}% |")
+    for name, r in base.get("ptq_gptq", {}).items():
+        rel = 100 * (r["token_ppl"] / base["fp32"]["token_ppl"] - 1)
+        lines.append(f"| {name}, GPTQ | {r['token_ppl']:.4f} | {r['word_ppl']:.3f} | {rel:+.2f}% |")
     fake_ptq = results["control"].get("ptq_fake", {})
     lines += ["", "| scheme | control (full-precision fine-tune) | PTQ of control (converted / fake-quant) "
               "| QAT (converted / fake-quant) | PTQ loss vs control | recovered, token ppl (converted / fake-quant) "
@@ -32,6 +35,17 @@ def markdown_tables(results: dict) -> str:
                      f"| {r['converted']['token_ppl']:.4f} / {r['fake_quant']['token_ppl']:.4f} | {loss:+.2f}% "
                      f"| {_pct(r['recovered_token_ppl'])} / {_pct(r.get('recovered_fake_token_ppl'))} "
                      f"| {_pct(r['recovered_word_ppl'])} |")
+    gptq = results["control"].get("ptq_gptq", {})
+    if gptq:
+        lines += ["", "| scheme | control | PTQ of control: round to nearest / GPTQ | QAT (converted) "
+                  "| GPTQ wins back of RTN's loss, token / word ppl | QAT wins back of GPTQ's loss, token / word ppl |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name, g in gptq.items():
+            r, p = results["qat"][name], results["control"]["ptq"][name]
+            lines.append(f"| {name} | {ctrl['token_ppl']:.4f} | {p['token_ppl']:.4f} / {g['token_ppl']:.4f} "
+                         f"| {r['converted']['token_ppl']:.4f} | {_pct(r.get('gptq_recovered_token_ppl'))} / "
+                         f"{_pct(r.get('gptq_recovered_word_ppl'))} | {_pct(r.get('recovered_vs_gptq_token_ppl'))} / "
+                         f"{_pct(r.get('recovered_vs_gptq_word_ppl'))} |")
     if "bytes" in results:
         lines += ["", "| model | bytes on disk (checkpoint) | bytes in memory (all tensors) | vs bf16 "
                   "| block linears (weights + scales + zero points) | vs bf16 |", "|---|---:|---:|---:|---:|---:|"]
@@ -73,6 +87,9 @@ def plot(results: dict, path: Path, title: str) -> None:
         g = _group(name)
         ax.plot([g], [r["converted"]["token_ppl"]], "*", ms=13, label=f"QAT {name}, converted")
         ax.plot([g], [results["control"]["ptq"][name]["token_ppl"]], "x", ms=10, label=f"PTQ {name} of the control")
+        if name in results["control"].get("ptq_gptq", {}):
+            ax.plot([g], [results["control"]["ptq_gptq"][name]["token_ppl"]], "+", ms=12,
+                    label=f"GPTQ {name} of the control")
     ax.set_xscale("log", base=2)
     ax.set_xticks(GROUPS, [str(g) for g in GROUPS])
     ax.set_xlabel("group size (input features per scale); int4 weights")

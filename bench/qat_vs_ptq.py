@@ -13,6 +13,7 @@
    (the control) and with QAT per scheme; PTQ of the control; recovered = (ppl(PTQ of control) - ppl(QAT)) /
    (ppl(PTQ of control) - ppl(control)), on converted models and on fake-quant ones.
 4. Bytes of each converted model on disk (a fourfold checkpoint) and in memory, against bf16.
+With --gptq-calibration N, GPTQ (calibrated on N training windows) is one more PTQ arm in steps 2 and 3.
 
 Training is a plain loop (AdamW, cosine, clip 1.0; fp32 weights, bf16 autocast on CUDA) around fourfold's
 model, so every arm shares one code path and the same batches; `fourfold train --quant.qat` runs the same
@@ -41,7 +42,8 @@ from fourfold.models.llama import Llama  # noqa: E402
 from fourfold.quant.schemes import PRESETS  # noqa: E402
 from fourfold.tokenizer import load_tokenizer  # noqa: E402
 from fourfold.train.dataset import GlobalBatchSampler, PackedSequences, token_file  # noqa: E402
-from qat_common import all_bytes, compare_arms, evaluator, ptq_sweep, train, write_outputs  # noqa: E402
+from qat_common import (all_bytes, calibration_batches, compare_arms, evaluator, ptq_sweep, train,  # noqa: E402
+                        write_outputs)
 from qat_report import markdown_tables, plot  # noqa: E402
 
 PTQ_DEFAULT = [n for n in PRESETS if not n.endswith("-fp32")]
@@ -67,6 +69,8 @@ def parse_args():
     p.add_argument("--ptq-schemes", default=",".join(PTQ_DEFAULT))
     p.add_argument("--output", action="store_true", help="also quantize the output head (PTQ and QAT alike)")
     p.add_argument("--embeddings", action="store_true", help="also quantize the token embedding")
+    p.add_argument("--gptq-calibration", type=int, default=0,
+                   help="training windows for GPTQ's calibration; > 0 adds GPTQ of the base and of the control as PTQ arms")
     p.add_argument("--eval-sequences", type=int, default=128)
     p.add_argument("--max-bytes", type=int, default=4_000_000)
     p.add_argument("--data", default=None, help="corpus path (default: see --corpus)")
@@ -180,9 +184,13 @@ def main() -> int:
                "base": {"fp32": evaluate(base)}}
     print(f"base: token ppl {results['base']['fp32']['token_ppl']:.4f}", flush=True)
     results["base"]["ptq"] = ptq_sweep(base, [s for s in a.ptq_schemes.split(",") if s], evaluate, layers, "base")
+    calibration = calibration_batches(train_set, a.gptq_calibration, a.seed)
+    if calibration:
+        results["base"]["ptq_gptq"] = ptq_sweep(base, [s for s in a.qat_schemes.split(",") if s], evaluate, layers,
+                                                "base", method="gptq", calibration=calibration)
     arms, control, converted = compare_arms(
         base, train_set, evaluate, schemes=[s for s in a.qat_schemes.split(",") if s], steps=a.finetune_steps,
-        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16)
+        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, calibration=calibration)
     results.update(arms)
     results["bytes"] = all_bytes(cfg, control, converted)
     results["seconds"] = time.time() - start

@@ -3,6 +3,7 @@
     prepare_qat(model, scheme)              # QAT: block linears -> FakeQuantLinear (same parameters, same names)
     convert(model)                          # after QAT: FakeQuant* -> Int4WeightLinear / Int8WeightLinear / QuantEmbedding
     ptq(model, scheme)                      # post-training, round-to-nearest: prepare_qat + convert, no training
+    ptq(model, scheme, method="gptq", calibration=[tokens, ...])   # post-training, GPTQ (gptq.py), same format
     meta = quant_meta(model)                # {"scheme": "int4-g128", "embeddings": False, "output": False, ...}
     quantized_skeleton(model, meta)         # a fresh model's linears -> empty packed modules, for load_state_dict
 
@@ -30,10 +31,12 @@ from fourfold.errors import ConfigError
 from fourfold.models.llama import Llama
 from fourfold.quant.embedding import FakeQuantEmbedding, QuantEmbedding
 from fourfold.quant.fake_quant import FakeQuantLinear
+from fourfold.quant.gptq import gptq_modules
 from fourfold.quant.packing import Int4WeightLinear, Int8WeightLinear
 from fourfold.quant.schemes import QuantScheme, check_group_divides, scheme_by_name
 
-METHODS = ("rtn",)   # post-training methods: round-to-nearest (GPTQ is not implemented)
+METHODS = ("rtn",)   # what `fourfold quantize --method` offers: round to nearest (GPTQ needs calibration data)
+PTQ_METHODS = ("rtn", "gptq")   # what ptq() takes: round to nearest; GPTQ with calibration batches
 
 
 def quant_targets(model: nn.Module, embeddings: bool = False, output: bool = False) -> list[tuple[str, nn.Module]]:
@@ -153,14 +156,30 @@ def convert(model: nn.Module) -> nn.Module:
 
 
 def ptq(model: nn.Module, scheme: QuantScheme | str, *, method: str = "rtn", embeddings: bool = False,
-        output: bool = False) -> nn.Module:
-    """Post-training quantization: round each weight to the nearest point of the scheme's grid, then convert."""
-    if method not in METHODS:
-        raise ConfigError(f"Unknown post-training method {method!r}; valid: {', '.join(METHODS)}.")
+        output: bool = False, calibration: list[torch.Tensor] | None = None) -> nn.Module:
+    """Post-training quantization, then conversion to packed modules, in place; returns the model.
+
+    method "rtn": round each weight to the nearest point of the scheme's grid. "gptq": round the linears by
+    GPTQ (fourfold.quant.gptq) on `calibration`, a list of token batches [batch, seq]; the embedding, when
+    asked, is rounded to nearest (a lookup has no input statistics). Both give the same packed format.
+    """
+    if method not in PTQ_METHODS:
+        raise ConfigError(f"Unknown post-training method {method!r}; valid: {', '.join(PTQ_METHODS)}.")
+    if method == "gptq" and not calibration:
+        raise ConfigError("GPTQ needs calibration data: pass calibration=[token batches] (a few dozen sequences of "
+                          "the kind of text the model will see), or use method='rtn'.")
     scheme = scheme_by_name(scheme) if isinstance(scheme, str) else scheme
     check_scheme_fits(model, scheme, embeddings=embeddings, output=output, for_kernels=True)
-    prepare_qat(model, scheme, embeddings=embeddings, output=output)
-    convert(model)
+    if method == "gptq":
+        linears = [(n, m) for n, m in quant_targets(model, embeddings, output) if isinstance(m, nn.Linear)]
+        for name, packed in gptq_modules(model, linears, scheme, calibration).items():
+            _swap(model, name, packed)
+        if embeddings:
+            _swap(model, "tok_embeddings", QuantEmbedding.from_float(model.tok_embeddings, scheme, "tok_embeddings"))
+        model.quant_settings = {"scheme": scheme.name, "embeddings": embeddings, "output": output, "converted": True}
+    else:
+        prepare_qat(model, scheme, embeddings=embeddings, output=output)
+        convert(model)
     model.quant_settings["method"] = method
     return model
 
