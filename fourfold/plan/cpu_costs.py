@@ -145,6 +145,8 @@ def check_cpu_table(raw: dict, where: str) -> dict:
         values = value if isinstance(value, list) else [value]
         if "tuple" in str(names[key]) and not isinstance(value, list):
             raise ConfigError(f"{where}: '{key}' must be a list of numbers, not {value!r}.")
+        if "tuple" not in str(names[key]) and isinstance(value, list):
+            raise ConfigError(f"{where}: '{key}' must be one number, not a list ({value!r}).")
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{where}: '{key}' = {value!r}: every value must be a positive number (seconds, "

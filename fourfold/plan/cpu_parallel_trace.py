@@ -35,7 +35,7 @@ from fourfold.parallel.apply import apply_model_transforms
 from fourfold.parallel.build import materialize
 from fourfold.parallel.context import shard_batch
 from fourfold.parallel.data_parallel import build_data_parallel
-from fourfold.parallel.tensor import compute_loss, loss_context
+from fourfold.parallel.tensor import compute_loss, loss_context, settle_partial_grads
 from fourfold.plan.cpu_trace import Op, OpRecorder
 from fourfold.precision import master_dtype
 
@@ -109,6 +109,8 @@ def step_function(cfg: Config, model, dp, mesh, fake: FakeTensorMode | None):
             loss.backward()
 
     def optimizer_step():
+        if p.tp > 1:  # the step runner's own: Partial gradients (norm weights under sequence parallel) reduced
+            settle_partial_grads(list(model.parameters()))
         dp.clip_grad_norm(model, cfg.optim.grad_clip, optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -122,6 +124,8 @@ _TRACES: dict[tuple, tuple[tuple[Op, ...], tuple[Op, ...]]] = {}
 def parallel_step_ops(cfg: Config, world_size: int) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
     """(the ops of one micro-batch's forward, loss and backward; the ops of the clip and AdamW step) of rank 0
     of `cfg` on `world_size` ranks, traced on its parallelised model (cached by the config's shape and layout)."""
+    if dist.is_initialized():  # the same answer whether or not this shape was traced before
+        raise RuntimeError("a process group exists already: the parallel trace needs a process without one")
     key = (repr(cfg.model), repr(cfg.parallel), cfg.train.micro_batch, cfg.train.seq_len, cfg.compute.precision,
            cfg.compute.recompute, cfg.compute.loss_chunk, cfg.optim.grad_clip, world_size)
     if key not in _TRACES:
@@ -141,8 +145,7 @@ def trace_in_group(cfg: Config, world_size: int) -> tuple[tuple[Op, ...], tuple[
     micro_batch, optimizer_step = step_function(cfg, model, dp, mesh, fake)
     with fake:
         micro_batch()
-        optimizer_step()  # AdamW's state exists from the first step on: record the next
-        micro_batch()
+        optimizer_step()  # AdamW's state exists from the first step on: record the next (gradients freed)
     micro, optim = OpRecorder(), OpRecorder()
     with fake, micro:
         micro_batch()
