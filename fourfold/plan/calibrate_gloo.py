@@ -76,7 +76,7 @@ def _in_step_factor(rank: int, repeats: int) -> float:
         dist.barrier()
         fastest = best_seconds(call, repeats, 1)
         times = []
-        for _ in range(max(25, repeats)):
+        for _ in range(max(41, repeats)):
             for _ in range(6):
                 a @ b
             sweep.fill_(1.0)

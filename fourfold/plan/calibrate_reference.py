@@ -25,7 +25,7 @@ import torch
 from fourfold.config import Config, build_config
 from fourfold.plan.cpu_costs import CpuCosts
 from fourfold.plan.cpu_parallel_trace import fake_process_group, parallel_model, step_function, trace_in_group
-from fourfold.plan.cpu_steptime import ops_seconds
+from fourfold.plan.cpu_pricing import ops_seconds
 from fourfold.plan.cpu_trace import Op
 
 REFERENCE = {"model.dim": "192", "model.n_layers": "2", "model.n_heads": "4", "model.n_kv_heads": "2",

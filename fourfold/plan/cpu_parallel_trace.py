@@ -143,9 +143,10 @@ def trace_in_group(cfg: Config, world_size: int) -> tuple[tuple[Op, ...], tuple[
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     model, dp, mesh = parallel_model(cfg, world_size, fake)
     micro_batch, optimizer_step = step_function(cfg, model, dp, mesh, fake)
-    with fake:
-        micro_batch()
-        optimizer_step()  # AdamW's state exists from the first step on: record the next (gradients freed)
+    with fake:  # AdamW's state exists from the first step on: take one on zero gradients, record the next
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        optimizer_step()
     micro, optim = OpRecorder(), OpRecorder()
     with fake, micro:
         micro_batch()

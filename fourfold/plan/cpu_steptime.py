@@ -38,7 +38,9 @@ from fourfold.models.llama import training_flops_per_token
 from fourfold.parallel.fsdp import block_reshards_after_forward
 from fourfold.parallel.tensor_plan import block_plan, outer_plan
 from fourfold.plan.cpu_costs import CpuCosts
-from fourfold.plan.cpu_parallel_trace import needs_parallel_trace, parallel_step_ops
+from fourfold.plan.cpu_parallel_trace import needs_parallel_trace
+from fourfold.plan.cpu_pricing import ops_seconds
+from fourfold.plan.cpu_traced_step import predict_traced_step
 from fourfold.plan.cpu_trace import Op, micro_batch_ops, optimizer_ops
 from fourfold.plan.layout import fsdp_shard_group, rank_chunks, zero1_partition
 from fourfold.plan.steptime import StepTime, rank_layers, schedule_length
@@ -51,33 +53,6 @@ def threads_per_rank(world_size: int, cores: int) -> int:
     """torch's intra-op threads per rank: every core for one process, 1 under torchrun with several ranks
     (torchrun sets OMP_NUM_THREADS=1)."""
     return cores if world_size == 1 else 1
-
-
-def ops_seconds(ops: tuple[Op, ...], costs: CpuCosts, threads: int, matmul_speedup: float = 1.0) -> dict[str, float]:
-    """Seconds of `ops` by class: matmul, attention, elementwise (foreach included), views, each at the tables'
-    price times the calibrated step factor; dtensor (what DTensor's dispatch adds). Collectives are priced apart."""
-    out = {"matmul": 0.0, "attention": 0.0, "elementwise": 0.0, "views": 0.0, "dtensor": 0.0}
-    factor = costs.step_factor(threads)
-    for op in ops:
-        if op.dtensor:
-            out["dtensor"] += costs.dtensor_op
-        if op.kind == "matmul":
-            out["matmul"] += factor * costs.matmul_seconds(op.flops, threads) / matmul_speedup
-        elif op.kind == "attention":
-            out["attention"] += factor * costs.attention_seconds(op.flops, op.backward, threads)
-        elif op.kind == "foreach":
-            out["elementwise"] += factor * (costs.elementwise_seconds(op.nbytes, threads, op.tensors) +
-                                            op.tensors * costs.foreach_tensor)
-        elif op.kind == "view":
-            out["views"] += factor * costs.view_overhead
-        elif op.kind != "collective":
-            out["elementwise"] += factor * costs.elementwise_seconds(op.nbytes, threads)
-    return out
-
-
-def collectives_seconds(ops: tuple[Op, ...], costs: CpuCosts) -> float:
-    """gloo seconds of the traced collectives of `ops` (each over the ranks of its group)."""
-    return sum(costs.collective_seconds(op.name, op.nbytes, op.tensors) for op in ops if op.kind == "collective")
 
 
 def _split(ops: tuple[Op, ...], costs: CpuCosts, threads: int, speedup: float) -> tuple[dict, dict]:
@@ -216,26 +191,3 @@ def predict_cpu_step(cfg: Config, world_size: int, costs: CpuCosts, bf16_speedup
     flops = tokens_step * training_flops_per_token(m, t.seq_len)
     return StepTime(seconds, parts, tokens_step, flops)
 
-
-def predict_traced_step(cfg: Config, world_size: int, costs: CpuCosts, threads: int, crowd: float,
-                        speedup: float) -> StepTime:
-    """The step of a tensor-parallel, context-parallel or FSDP2 layout (no pipeline) from rank 0's own
-    parallelised model traced over a fake process group (fourfold/plan/cpu_parallel_trace.py): its ops (DTensor
-    ops paying `dtensor_op` each), its collectives at gloo's alpha-beta, and FSDP2's hooks per unit. Recompute
-    is in the trace (the model carries its checkpoint wrappers)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    n_micro = grad_accumulation_steps(cfg)
-    micro, optim = parallel_step_ops(cfg, world_size)
-    fwd = ops_seconds(tuple(o for o in micro if not o.backward), costs, threads, speedup)
-    bwd = ops_seconds(tuple(o for o in micro if o.backward), costs, threads, speedup)
-    parts = {k: n_micro * crowd * (fwd[k] + bwd[k]) for k in fwd}
-    compute = sum(parts.values())
-    parts["comm"] = n_micro * collectives_seconds(micro, costs)
-    units = m.n_layers + 1 if data_parallel_strategy(p) == "fsdp" else 0  # each block and the root
-    parts["fsdp_hooks"] = n_micro * units * costs.fsdp_hook
-    opt = ops_seconds(optim, costs, threads)
-    parts["optimizer"] = sum(opt.values()) * crowd + collectives_seconds(optim, costs)
-    parts["sync"] = costs.collective_seconds("all_reduce", 8, world_size) * 2  # the loss and the step guard
-    seconds = compute + parts["comm"] + parts["fsdp_hooks"] + parts["optimizer"] + parts["sync"]
-    tokens_step = t.global_batch * t.seq_len
-    return StepTime(seconds, parts, tokens_step, tokens_step * training_flops_per_token(m, t.seq_len))
