@@ -32,7 +32,6 @@ from fourfold.models.llama import Llama
 from fourfold.ops.cross_entropy import cross_entropy
 from fourfold.optim import adamw_kwargs
 from fourfold.parallel.grad_norm import clip_with_norm, total_grad_norm
-from fourfold.plan.cpu_replay import spec_of
 
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
@@ -101,13 +100,10 @@ def _group_size(args, kwargs) -> int:
 class OpRecorder(TorchDispatchMode):
     """Records every aten op that reaches the dispatcher below autograd (also usable on real tensors)."""
 
-    def __init__(self, keep_calls: bool = False):
+    def __init__(self):
         super().__init__()
         self.ops: list[Op] = []
         self.backward = False
-        self.keep_calls = keep_calls
-        self.calls: list[tuple] = []
-        """With `keep_calls`: (func, argument specs, keyword specs) of each op, for fourfold.plan.cpu_replay."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -141,8 +137,6 @@ class OpRecorder(TorchDispatchMode):
             op = Op(name, "elementwise", nbytes=_nbytes(ins) + _nbytes(outs))
         self.ops.append(dataclasses.replace(op, dtensor=dtensor, backward=op.backward or self.backward or
                                             torch._C._current_graph_task_id() >= 0))
-        if self.keep_calls:
-            self.calls.append((func, spec_of(list(args)), {k: spec_of(v) for k, v in kwargs.items()}))
         return out
 
 
