@@ -64,7 +64,7 @@ def test_parallel_trace_equals_a_real_gloo_step(tmp_path, name):
     # A second trace in one process may meet a mesh object cached by the first (equal, not identical), and the clip
     # groups gradients by mesh identity: it may then issue one group more of its norm and scaling ops.
     clip_ops = collections.Counter({"_foreach_norm": 1, "_foreach_mul_": 1, "stack": 1, "linalg_vector_norm": 1})
-    assert not model["dtensor"] - real["dtensor"] - clip_ops, "DTensor ops the model counts that the step does not issue"
+    assert not model["dtensor"] - real["dtensor"] - clip_ops, "DTensor ops the model counts that the step lacks"
     assert sum((real["dtensor"] - model["dtensor"]).values()) <= 3  # the loss divisor's division and cast
     missing = model["collectives"] - real["collectives"]
     assert not missing, f"collectives the model counts that the step does not issue: {missing}"

@@ -1,8 +1,8 @@
 """`fourfold plan calibrate` on CPUs: micro-benchmarks for the [cpu] table the CPU step model reads.
 
     table = measure_cpu(quick=False)     # {'cores': 2, 'op_overhead': ..., 'matmul_rate_1': [...], ...}
-    table |= gloo_table(quick=False)     # fourfold/plan/calibrate_gloo.py: latency, bandwidth, comm_factor, tp_linear, fsdp_unit
-    table |= reference_table(table)      # fourfold/plan/calibrate_reference.py: step factors, dtensor_op, fsdp_hook
+    table |= gloo_table(quick=False)     # calibrate_gloo.py: latency, bandwidth, comm_factor, tp_linear, fsdp_unit
+    table |= reference_table(table)      # calibrate_reference.py: step factors, dtensor_op, fsdp_hook
     cpu_table_toml(table)                # the [cpu] table's TOML lines
 
 Each figure is the best (fastest) of a few repeats, so that other processes on the machine disturb it
