@@ -15,7 +15,9 @@ runnable, for a CPU (/proc/thread-self/schedstat), the fastest of them. Peak mem
 most bytes of live CPU tensors over construction and two steps, from the profiler's allocation events (the
 CPU's max_memory_allocated; the process's resident set would add the interpreter and torch). With
 --repeats N the calibration and the runs are repeated N times into planner_cpu_K.json / cpu_calibration_K.toml.
-planner_validation.py predicts each row with the calibration measured in its window.
+planner_validation.py predicts each row with the calibration measured in its window; the share of the cores
+other processes used during the calibration is recorded (calibration_others_share), and rows of a calibration
+taken while others used more than QUIET of the machine count as disturbed.
 """
 
 from __future__ import annotations
@@ -79,6 +81,14 @@ def busy_seconds() -> float:
         return 0.0
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds this process and its finished children (the calibration's gloo workers) have used."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def runqueue_wait() -> float:
@@ -182,9 +192,11 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     for repeat in range(args.repeats):
         suffix = f"_{repeat + 1}" if args.repeats > 1 else ""
-        start = time.perf_counter()
+        start, busy, own = time.perf_counter(), busy_seconds(), _own_cpu_seconds()
         write_calibration(measure("cpu", quick=args.quick), Path(args.out) / f"cpu_calibration{suffix}.toml")
-        print(f"calibrated in {time.perf_counter() - start:.0f} s", flush=True)
+        wall = time.perf_counter() - start
+        others = max(0.0, busy_seconds() - busy - (_own_cpu_seconds() - own)) / (wall * (os.cpu_count() or 1))
+        print(f"calibrated in {wall:.0f} s; other processes used {others:.0%} of the cores meanwhile", flush=True)
         rows = []
         for name in args.layouts.split(","):
             _, ranks = layout_config(name)
@@ -193,8 +205,8 @@ def main() -> None:
             if "error" not in row:
                 rows.append(row)
         with open(os.path.join(args.out, f"planner_cpu{suffix}.json"), "w") as f:
-            json.dump({"args": vars(args), "calibration": f"cpu_calibration{suffix}.toml", "results": rows}, f,
-                      indent=1)
+            json.dump({"args": vars(args), "calibration": f"cpu_calibration{suffix}.toml",
+                       "calibration_others_share": others, "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ class Run:
     hardware: tuple = ()
     """Extra hardware files for this run (the CPU calibration measured with it)."""
     disturbed: bool = False
-    """A CPU run none of whose steps ran undisturbed by other processes (its time is not the machine's)."""
+    """A CPU run none of whose steps ran undisturbed by other processes, or whose calibration was disturbed (its
+    time, or the costs it is predicted with, are not the machine's)."""
 
 
 def _base(preset: str, mb: int, seq: int, world: int, overrides: dict, global_batch: int | None = None):
@@ -121,10 +122,12 @@ def cpu_runs(results: str) -> list[Run]:
     for path in sorted(glob.glob(os.path.join(results, "*", "planner_cpu*.json"))):
         data = json.load(open(path))
         calibration = os.path.join(os.path.dirname(path), data.get("calibration", "cpu_calibration.toml"))
+        calibration_disturbed = data.get("calibration_others_share", 0.0) > 0.10  # planner_cpu.QUIET
         for row in data["results"]:
             cfg = build_config({}, row["config"])
             runs.append(Run(os.path.relpath(path, results), row["name"], cfg, row["world"], "cpu", row["step_ms"],
-                            row.get("peak_gib"), hardware=(calibration,), disturbed=row.get("quiet_steps", 1) == 0))
+                            row.get("peak_gib"), hardware=(calibration,),
+                            disturbed=row.get("quiet_steps", 1) == 0 or calibration_disturbed))
     return runs
 
 
@@ -168,7 +171,7 @@ def markdown(rows: list[dict]) -> str:
     if len(quiet) < len(cpu):
         every = [abs(r["time_err"]) for r in cpu]
         lines.append(f"CPU rows marked disturbed ({len(cpu) - len(quiet)}): no step ran while other processes left "
-                     f"the cores free; over all {len(cpu)} CPU rows the mean absolute error is {sum(every) / len(every):.1%}.")
+                     f"the cores free, or the calibration ran while they did not; over all {len(cpu)} CPU rows the mean absolute error is {sum(every) / len(every):.1%}.")
     cpu_m = [abs(r["mem_err"]) for r in cpu if r["mem_err"] is not None]
     if cpu_m:
         lines.append(f"CPU peak memory (live tensor bytes): mean absolute error **{sum(cpu_m) / len(cpu_m):.1%}** over "

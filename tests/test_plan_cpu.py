@@ -12,6 +12,7 @@ from fourfold.errors import ConfigError
 from fourfold.plan.calibrate import write_calibration
 from fourfold.plan.calibrate_cpu import call_overhead, cpu_table_toml, op_overhead
 from fourfold.plan.cpu_costs import COLLECTIVES, interpolate
+from fourfold.plan.cpu_parallel_trace import fake_process_group
 from fourfold.plan.cpu_steptime import predict_cpu_step
 from fourfold.plan.cpu_trace import OpRecorder, micro_batch_ops, optimizer_ops
 from fourfold.plan.hardware import load_hardware
@@ -118,7 +119,7 @@ def test_cpu_toml_lines_parse_back(tmp_path):
 
 def test_layout_terms_move_the_prediction():
     """gloo's latency is charged per collective the layout issues: raising it slows DDP, FSDP and tp but not one
-    process; raising the DTensor linear cost slows only tp; the FSDP unit cost only FSDP."""
+    process; in the fallback estimate raising the DTensor linear cost slows only tp, the FSDP unit cost only FSDP."""
     hw = load_hardware(calibration=False)
     costs = hw.cpu
     slow_comm = dataclasses.replace(costs, latency=tuple(x * 10 for x in costs.latency))
@@ -131,9 +132,13 @@ def test_layout_terms_move_the_prediction():
     tp, fsdp = _cfg(**{"parallel.tp": 2}), _cfg(**{"parallel.fsdp": 2, "train.global_batch": 4})
     slow_tp = dataclasses.replace(costs, tp_linear=costs.tp_linear * 10)
     slow_fsdp = dataclasses.replace(costs, fsdp_unit=costs.fsdp_unit * 10)
-    assert predict_cpu_step(tp, 2, slow_tp).seconds > predict_cpu_step(tp, 2, costs).seconds
-    assert predict_cpu_step(fsdp, 2, slow_tp).seconds == pytest.approx(predict_cpu_step(fsdp, 2, costs).seconds)
-    assert predict_cpu_step(fsdp, 2, slow_fsdp).seconds > predict_cpu_step(fsdp, 2, costs).seconds
+    # Traced layouts ignore the per-linear and per-unit estimates; inside a process group (a training run) the
+    # trace cannot run and the estimate from the layout's rules, which uses them, takes over.
+    assert predict_cpu_step(tp, 2, slow_tp).seconds == predict_cpu_step(tp, 2, costs).seconds
+    with fake_process_group(2):
+        assert predict_cpu_step(tp, 2, slow_tp).seconds > predict_cpu_step(tp, 2, costs).seconds
+        assert predict_cpu_step(fsdp, 2, slow_tp).seconds == pytest.approx(predict_cpu_step(fsdp, 2, costs).seconds)
+        assert predict_cpu_step(fsdp, 2, slow_fsdp).seconds > predict_cpu_step(fsdp, 2, costs).seconds
 
 
 def test_interpolation_and_collective_scaling():

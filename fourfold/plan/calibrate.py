@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fourfold.plan.calibrate_cpu import cpu_table_toml, measure_cpu
+from fourfold.plan.calibrate_reference import reference_table
 from fourfold.plan.calibrate_gloo import gloo_table
 from fourfold.plan.hardware import DTYPE_KEYS, load_hardware
 
@@ -116,7 +117,8 @@ def measure(device: str = "auto", quick: bool = False) -> dict:
     figures = {"name": name, "memory_gib": memory / 2**30, "hbm_bandwidth": bandwidth,
                **{f"flops_{k}": flops.get(k, 0.0) for k in DTYPE_KEYS}, "intra_node": link_name, "link": link}
     if dev.type == "cpu":
-        figures["cpu"] = {**measure_cpu(quick), **gloo_table(quick)}
+        table = {**measure_cpu(quick), **gloo_table(quick)}
+        figures["cpu"] = {**table, **reference_table(table, 3 if quick else 5)}
     return figures
 
 

@@ -1,7 +1,8 @@
 """`fourfold plan calibrate` on CPUs: micro-benchmarks for the [cpu] table the CPU step model reads.
 
     table = measure_cpu(quick=False)     # {'cores': 2, 'op_overhead': ..., 'matmul_rate_1': [...], ...}
-    table |= gloo_table(quick=False)     # fourfold/plan/calibrate_gloo.py: latency, bandwidth, tp_linear, fsdp_unit
+    table |= gloo_table(quick=False)     # calibrate_gloo.py: latency, bandwidth, comm_factor, tp_linear, fsdp_unit
+    table |= reference_table(table)      # calibrate_reference.py: step factors, dtensor_op, fsdp_hook
     cpu_table_toml(table)                # the [cpu] table's TOML lines
 
 Each figure is the best (fastest) of a few repeats, so that other processes on the machine disturb it
@@ -164,6 +165,8 @@ def measure_cpu(quick: bool = False) -> dict:
         table["matmul_flops"], (table["matmul_rate_1"], table["matmul_rate_n"]) = matmul_rates(repeats, call, threads)
         table["elementwise_bytes"], (table["elementwise_rate_1"], table["elementwise_rate_n"]) = \
             elementwise_rates(repeats, call, threads)
+        for kind in ("matmul", "elementwise"):  # a disturbed sample at n threads cannot be slower than one thread
+            table[f"{kind}_rate_n"] = [max(n, one) for n, one in zip(table[f"{kind}_rate_n"], table[f"{kind}_rate_1"])]
         for suffix, k in zip(("1", "n"), threads):
             torch.set_num_threads(k)
             table[f"attention_fwd_{suffix}"], table[f"attention_bwd_{suffix}"] = attention_rates(repeats)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue as queues
 import socket
+import statistics
 import time
 import warnings
 
@@ -51,12 +52,39 @@ def _gloo_worker(rank: int, port: int, repeats: int, queue) -> None:
         # bytes convention of cpu_costs.COLLECTIVES: the whole tensor (all_gather's gathered output)
         moved = {"all_gather": 2 * big}.get(kind, big)
         out[kind] = (times[0], moved / max(times[1] - times[0], 1e-9))
+    out["comm_factor"] = _in_step_factor(rank, repeats)
     out["tp_linear"] = _tp_linear(repeats)
     out["fsdp_unit"] = _fsdp_unit(repeats)
     if rank == 0:
         queue.put(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _in_step_factor(rank: int, repeats: int) -> float:
+    """How much longer a collective takes inside a step than back to back: the median time of 1 MiB all-gathers,
+    reduce-scatters and all-reduces each issued right after a few milliseconds of compute on both ranks (gloo's
+    threads asleep, caches cold, ranks arriving a little apart) over the fastest of the same calls back to back."""
+    n = 2**18
+    x, gathered, half = torch.ones(n), torch.empty(2 * n), torch.empty(n // 2)
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    sweep = torch.empty(4 * 2**20)  # 16 MiB written between calls, as a step's other tensors are
+    calls = (lambda: dist.all_gather_into_tensor(gathered, x), lambda: dist.reduce_scatter_tensor(half, x),
+             lambda: dist.all_reduce(x))
+    ratios = []
+    for call in calls:
+        dist.barrier()
+        fastest = best_seconds(call, repeats, 1)
+        times = []
+        for _ in range(max(41, repeats)):
+            for _ in range(6):
+                a @ b
+            sweep.fill_(1.0)
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        ratios.append(statistics.median(times) / fastest)
+    return max(1.0, sum(ratios) / len(ratios))
 
 
 def _tp_linear(repeats: int) -> float:
@@ -112,7 +140,8 @@ def gloo_figures(repeats: int) -> dict:
 
 
 def gloo_table(quick: bool = False) -> dict:
-    """The gloo keys of the [cpu] table: latency, bandwidth (in COLLECTIVES order), tp_linear, fsdp_unit."""
+    """The gloo keys of the [cpu] table: latency, bandwidth (in COLLECTIVES order), tp_linear, fsdp_unit,
+    comm_factor."""
     gloo = gloo_figures(8 if quick else 30)
     return {"latency": [gloo[k][0] for k in COLLECTIVES], "bandwidth": [gloo[k][1] for k in COLLECTIVES],
-            "tp_linear": gloo["tp_linear"], "fsdp_unit": gloo["fsdp_unit"]}
+            "tp_linear": gloo["tp_linear"], "fsdp_unit": gloo["fsdp_unit"], "comm_factor": gloo["comm_factor"]}

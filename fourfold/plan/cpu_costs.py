@@ -64,7 +64,26 @@ class CpuCosts:
     """Seconds a tensor-parallel (DTensor) linear adds to one forward + backward over a plain one, no collective."""
     fsdp_unit: float
     """Seconds one FSDP2 unit adds per forward + backward of one micro-batch (hooks, copy-in/out, the
-    collectives' latency) on two ranks, over the same layers unsharded; bytes are charged apart."""
+    collectives' latency) on two ranks, over the same layers unsharded; bytes are charged apart. Used only where
+    the layout's own model cannot be traced (inside a distributed run)."""
+    comm_factor: float
+    """A collective inside a step over the same call back to back (the median after a few milliseconds of compute
+    on both ranks over the fastest of repeated calls): what `latency` and `bandwidth` are multiplied by."""
+    dtensor_op: float
+    """Seconds one DTensor op adds to its local kernel (sharding propagation, unwrapping and wrapping), from a
+    tensor-parallel reference step (fourfold/plan/calibrate_reference.py)."""
+    fsdp_hook: float
+    """Seconds one FSDP2 unit adds per micro-batch on the CPU (its pre/post forward and backward hooks), its copies
+    and collectives priced apart, from an FSDP2 reference step."""
+    step_factor_1: float
+    """A reference step's measured time over the price of its traced ops at the tables' rates, on one thread
+    (cold operands, page faults, autograd and Python between the ops: what isolated micro-benchmarks miss)."""
+    step_factor_n: float
+    """Same on `cores` threads."""
+
+    def step_factor(self, threads: int) -> float:
+        """What the op prices are multiplied by on `threads` threads (1, or `cores`)."""
+        return self.step_factor_n if threads > 1 else self.step_factor_1
 
     def matmul_seconds(self, flops: float, threads: int) -> float:
         """One GEMM of `flops` FLOPs on `threads` threads (1, or `cores`)."""
@@ -95,7 +114,8 @@ class CpuCosts:
         steps = ranks - 1 if kind != "p2p" else 1
         share = 2 * (ranks - 1) / ranks if kind == "all_reduce" else ((ranks - 1) / ranks if kind != "p2p" else 1.0)
         two_rank_share = 1.0 if kind == "all_reduce" else (0.5 if kind != "p2p" else 1.0)
-        return self.latency[i] * steps * latency + nbytes * share / two_rank_share / self.bandwidth[i]
+        return self.comm_factor * (self.latency[i] * steps * latency +
+                                   nbytes * share / two_rank_share / self.bandwidth[i])
 
 
 def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
@@ -125,6 +145,8 @@ def check_cpu_table(raw: dict, where: str) -> dict:
         values = value if isinstance(value, list) else [value]
         if "tuple" in str(names[key]) and not isinstance(value, list):
             raise ConfigError(f"{where}: '{key}' must be a list of numbers, not {value!r}.")
+        if "tuple" not in str(names[key]) and isinstance(value, list):
+            raise ConfigError(f"{where}: '{key}' must be one number, not a list ({value!r}).")
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{where}: '{key}' = {value!r}: every value must be a positive number (seconds, "

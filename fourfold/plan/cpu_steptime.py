@@ -38,6 +38,9 @@ from fourfold.models.llama import training_flops_per_token
 from fourfold.parallel.fsdp import block_reshards_after_forward
 from fourfold.parallel.tensor_plan import block_plan, outer_plan
 from fourfold.plan.cpu_costs import CpuCosts
+from fourfold.plan.cpu_parallel_trace import needs_parallel_trace
+from fourfold.plan.cpu_pricing import ops_seconds
+from fourfold.plan.cpu_traced_step import predict_traced_step
 from fourfold.plan.cpu_trace import Op, micro_batch_ops, optimizer_ops
 from fourfold.plan.layout import fsdp_shard_group, rank_chunks, zero1_partition
 from fourfold.plan.steptime import StepTime, rank_layers, schedule_length
@@ -50,24 +53,6 @@ def threads_per_rank(world_size: int, cores: int) -> int:
     """torch's intra-op threads per rank: every core for one process, 1 under torchrun with several ranks
     (torchrun sets OMP_NUM_THREADS=1)."""
     return cores if world_size == 1 else 1
-
-
-def ops_seconds(ops: tuple[Op, ...], costs: CpuCosts, threads: int, matmul_speedup: float = 1.0) -> dict[str, float]:
-    """Seconds of `ops` by class: matmul, attention, elementwise (foreach included), views."""
-    out = {"matmul": 0.0, "attention": 0.0, "elementwise": 0.0, "views": 0.0}
-    for op in ops:
-        if op.kind == "matmul":
-            out["matmul"] += costs.matmul_seconds(op.flops, threads) / matmul_speedup
-        elif op.kind == "attention":
-            out["attention"] += costs.attention_seconds(op.flops, op.backward, threads)
-        elif op.kind == "foreach":
-            out["elementwise"] += costs.elementwise_seconds(op.nbytes, threads, op.tensors) + \
-                op.tensors * costs.foreach_tensor
-        elif op.kind == "view":
-            out["views"] += costs.view_overhead
-        else:
-            out["elementwise"] += costs.elementwise_seconds(op.nbytes, threads)
-    return out
 
 
 def _split(ops: tuple[Op, ...], costs: CpuCosts, threads: int, speedup: float) -> tuple[dict, dict]:
@@ -99,6 +84,11 @@ def predict_cpu_step(cfg: Config, world_size: int, costs: CpuCosts, bf16_speedup
     threads = threads_per_rank(world_size, costs.cores)
     crowd = max(1.0, world_size * threads / costs.cores)
     speedup = bf16_speedup if cfg.compute.precision in ("bf16", "fp16") else 1.0
+    if world_size > 1 and needs_parallel_trace(cfg):
+        try:
+            return predict_traced_step(cfg, world_size, costs, threads, crowd, speedup)
+        except RuntimeError:  # a process group exists (inside a run): the estimate below, from the layout's rules
+            pass
     n_micro = grad_accumulation_steps(cfg)
     layers = rank_layers(cfg)
     last_rank = (p.pp * p.vpp - 1) % p.pp
@@ -200,3 +190,4 @@ def predict_cpu_step(cfg: Config, world_size: int, costs: CpuCosts, bf16_speedup
     tokens_step = t.global_batch * t.seq_len
     flops = tokens_step * training_flops_per_token(m, t.seq_len)
     return StepTime(seconds, parts, tokens_step, flops)
+

@@ -20,8 +20,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fourfold.config import Config, ModelConfig
@@ -30,6 +33,15 @@ from fourfold.ops.cross_entropy import cross_entropy
 from fourfold.optim import adamw_kwargs
 from fourfold.parallel.grad_norm import clip_with_norm, total_grad_norm
 
+COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
+COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+                    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+                    "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+                    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast",
+                    "broadcast": "broadcast", "send": "p2p"}
+"""Process-group calls by the gloo operation they are priced as (fourfold.plan.cpu_costs.COLLECTIVES); the size
+is the largest tensor the call touches (the gathered output, the scattered input, the message). A ring's
+receive pairs with its send and waits are no call of their own: not counted."""
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": False,
              "_scaled_dot_product_flash_attention_for_cpu_backward": True}
@@ -45,19 +57,24 @@ class Op:
 
     name: str
     kind: str
-    """'matmul', 'attention', 'foreach', 'view' (moves no data) or 'elementwise' (everything else)."""
+    """'matmul', 'attention', 'foreach', 'view' (moves no data), 'collective' (a process-group call: priced by the
+    layout's rules) or 'elementwise' (everything else)."""
     flops: float = 0.0
     nbytes: float = 0.0
     tensors: int = 1
+    """Tensors of a foreach op; ranks of a collective's group."""
     backward: bool = False
     """Issued by the autograd engine (or the attention backward kernel)."""
+    dtensor: bool = False
+    """Dispatched on DTensors (tensor parallel, FSDP2's sharded parameters): sizes are the local shards', and the
+    op pays DTensor's dispatch (sharding propagation, wrapping) on top of its local kernel."""
 
 
 def _tensors(tree) -> list[torch.Tensor]:
     out = []
     for x in tree:
         if isinstance(x, torch.Tensor):
-            out.append(x)
+            out.append(x._local_tensor if isinstance(x, DTensor) else x)
         elif isinstance(x, (list, tuple)):
             out += _tensors(x)
     return out
@@ -65,6 +82,19 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 def _nbytes(tensors) -> float:
     return float(sum(t.numel() * t.element_size() for t in tensors))
+
+
+def _group_size(args, kwargs) -> int:
+    """The ranks of the process group a collective's arguments name (a group object, a group name or size)."""
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, dist.ProcessGroup):
+            return a.size()
+        if isinstance(a, str):
+            try:
+                return _resolve_process_group(a).size()
+            except Exception:  # not a group's name
+                continue
+    return 2
 
 
 class OpRecorder(TorchDispatchMode):
@@ -81,6 +111,15 @@ class OpRecorder(TorchDispatchMode):
         namespace, name = func.namespace, func.overloadpacket.__name__
         if namespace == "prim":  # fake tensors' own device queries
             return out
+        dtensor = any(issubclass(t, DTensor) for t in types)
+        if namespace in COLLECTIVE_NAMESPACES:  # priced at gloo's alpha-beta (fourfold.plan.cpu_costs), not as data
+            kind = COLLECTIVE_KINDS.get(name)
+            if kind:
+                tensors = _tensors(list(args) + list(kwargs.values()))
+                nbytes = max(t.numel() * t.element_size() for t in tensors) if tensors else 0.0
+                self.ops.append(Op(kind, "collective", nbytes=float(nbytes), tensors=_group_size(args, kwargs),
+                                   backward=self.backward or torch._C._current_graph_task_id() >= 0))
+            return out
         ins = _tensors(list(args) + list(kwargs.values()))
         outs = _tensors([out] if not isinstance(out, (list, tuple)) else list(out))
         if name in MATMULS:
@@ -96,7 +135,8 @@ class OpRecorder(TorchDispatchMode):
             op = Op(name, "view")
         else:
             op = Op(name, "elementwise", nbytes=_nbytes(ins) + _nbytes(outs))
-        self.ops.append(dataclasses.replace(op, backward=op.backward or self.backward or torch._C._current_graph_task_id() >= 0))
+        self.ops.append(dataclasses.replace(op, dtensor=dtensor, backward=op.backward or self.backward or
+                                            torch._C._current_graph_task_id() >= 0))
         return out
 
 
