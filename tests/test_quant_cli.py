@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fourfold.checkpoint.store import latest_checkpoint, read_meta
 from fourfold.cli import main
@@ -75,10 +76,12 @@ def test_ptq_checkpoint_generates_and_evaluates(runs, capsys):
 @pytest.mark.parametrize("argv,words", [
     (["--scheme", "int4-g100"], ["Unknown quantization scheme", "int4-g128"]),
     (["--scheme", "int4-g64"], ["group size 64", "32 input features"]),
-    (["--scheme", "int4-g32", "--method", "gptq"], ["--method", "rtn"]),
+    (["--scheme", "int4-g32", "--method", "obq"], ["--method", "rtn, gptq"]),
+    (["--scheme", "int4-g32", "--method", "gptq", "--calibration-sequences", "0"], ["--calibration-sequences"]),
+    (["--scheme", "int4-g32", "--method", "gptq", "--data", "/nonexistent/corpus.txt"], ["/nonexistent"]),
     (["--scheme", "int4-g32", "--device", "cuda"], ["--device cuda"]),
     ([], ["needs --scheme"]),
-], ids=["unknown", "group-too-big", "method", "no-cuda", "no-scheme"])
+], ids=["unknown", "group-too-big", "method", "calibration-count", "calibration-data", "no-cuda", "no-scheme"])
 def test_quantize_refuses_bad_input_before_work(runs, capsys, argv, words):
     if "cuda" in argv and torch.cuda.is_available():
         pytest.skip("needs a machine without a CUDA GPU")
@@ -87,6 +90,19 @@ def test_quantize_refuses_bad_input_before_work(runs, capsys, argv, words):
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
     assert not out.exists()
+
+
+def test_gptq_quantize_calibrates_on_the_training_split_and_differs_from_rtn(runs, capsys):
+    for method in ("rtn", "gptq"):
+        assert main(["quantize", "--checkpoint", str(runs / "fp"), "--scheme", "int4-g32", "--method", method,
+                     "--calibration-sequences", "8", "--out", str(runs / f"fp-{method}")]) == 0
+    rtn, gptq = (latest_checkpoint(runs / f"fp-{m}") for m in ("rtn", "gptq"))
+    assert read_meta(gptq)["quant"]["method"] == "gptq" and read_meta(rtn)["quant"]["method"] == "rtn"
+    a, b = (load_file(str(next(c.glob("*.safetensors")))) for c in (rtn, gptq))
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape for k in a)
+    packed = [k for k in a if a[k].dtype in (torch.uint8, torch.int8, torch.int32)]
+    assert packed and any(not torch.equal(a[k], b[k]) for k in packed)  # error compensation moved some integers
+    assert _eval(runs / "fp-gptq", capsys)["model"] == "converted int4-g32"
 
 
 def test_quantize_refuses_other_schemes_for_qat_and_requantizing(runs, capsys):

@@ -35,7 +35,6 @@ from fourfold.quant.gptq import gptq_modules
 from fourfold.quant.packing import Int4WeightLinear, Int8WeightLinear
 from fourfold.quant.schemes import QuantScheme, check_group_divides, scheme_by_name
 
-METHODS = ("rtn",)   # what `fourfold quantize --method` offers: round to nearest (GPTQ needs calibration data)
 PTQ_METHODS = ("rtn", "gptq")   # what ptq() takes: round to nearest; GPTQ with calibration batches
 
 
