@@ -46,8 +46,9 @@ def load_model(path: str | Path, device: torch.device):
     return model.to(device).eval(), cfg, meta
 
 
-def heldout_windows(cfg, data_path: str | None = None):
-    """(tokenizer, PackedSequences of the validation split) of the config's corpus, or of `data_path`."""
+def corpus_windows(cfg, data_path: str | None = None, split: str = "val"):
+    """(tokenizer, PackedSequences of `split`) of the config's corpus, or of `data_path`: "val" is the held-out
+    split `fourfold eval` scores, "train" the rest (what `fourfold quantize --method gptq` calibrates on)."""
     from fourfold.tokenizer import load_tokenizer
     from fourfold.train.dataset import PackedSequences, check_data_source, token_file
 
@@ -55,11 +56,12 @@ def heldout_windows(cfg, data_path: str | None = None):
     cfg = dataclasses.replace(cfg, data=data)
     check_data_source(cfg)
     tokenizer = load_tokenizer(data.tokenizer)
-    val = PackedSequences(token_file(data, tokenizer), cfg.train.seq_len, "val", data.val_fraction)
-    if len(val) == 0:
-        raise ConfigError("The held-out split is empty: data.val_fraction is 0 or the corpus is too small; "
-                          "pass --data with more text.")
-    return tokenizer, val
+    windows = PackedSequences(token_file(data, tokenizer), cfg.train.seq_len, split, data.val_fraction)
+    if len(windows) == 0:
+        raise ConfigError("The held-out split is empty: data.val_fraction is 0 or the corpus is too small; pass "
+                          "--data with more text." if split == "val" else
+                          "The corpus has no training windows outside the held-out split; pass --data with more text.")
+    return tokenizer, windows
 
 
 @torch.no_grad()
@@ -99,7 +101,7 @@ def main(argv: list[str], console: Console) -> int:
         raise ConfigError("--max-sequences must be at least 0 (0 scores all) and --batch at least 1.")
     device = pick_device(a.device, flag="--device")
     model, cfg, meta = load_model(a.checkpoint, device)
-    tokenizer, val = heldout_windows(cfg, a.data)
+    tokenizer, val = corpus_windows(cfg, a.data)
     result = perplexity(model, val, tokenizer, max_sequences=a.max_sequences, batch=a.batch, device=device)
     kind = (f"converted {meta['quant']['scheme']}" if meta.get("quant")
             else f"QAT {cfg.quant.qat} (fake-quant)" if cfg.quant.qat else "full precision")

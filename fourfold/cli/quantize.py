@@ -53,22 +53,13 @@ def _pick_scheme(requested: str | None, trained: str | None) -> str:
 
 def calibration_batches(cfg, data_path: str | None, sequences: int, batch: int = 8) -> list:
     """Token batches [batch, seq_len] of the first `sequences` windows of the corpus's training split (for GPTQ)."""
-    import dataclasses
-
     import torch
 
-    from fourfold.tokenizer import load_tokenizer
-    from fourfold.train.dataset import PackedSequences, check_data_source, token_file
+    from fourfold.cli.eval import corpus_windows
 
-    data = dataclasses.replace(cfg.data, path=data_path if data_path is not None else cfg.data.path)
-    check_data_source(dataclasses.replace(cfg, data=data))
-    windows = PackedSequences(token_file(data, load_tokenizer(data.tokenizer)), cfg.train.seq_len, "train",
-                              data.val_fraction)
-    n = min(sequences, len(windows))
-    if n == 0:
-        raise ConfigError("GPTQ calibration found no training windows in the corpus; pass --data with more text.")
-    rows = [windows[i][:-1] for i in range(n)]
-    return [torch.stack(rows[i:i + batch]) for i in range(0, n, batch)]
+    _, windows = corpus_windows(cfg, data_path, "train")
+    rows = [windows[i][:-1] for i in range(min(sequences, len(windows)))]
+    return [torch.stack(rows[i:i + batch]) for i in range(0, len(rows), batch)]
 
 
 def main(argv: list[str], console: Console) -> int:
