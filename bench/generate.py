@@ -181,15 +181,40 @@ def run_fourfold(args, quant: str | None = None) -> None:
             say(f"PROGRESS decode profile failed: {e!r}")
 
 
+def kernel_summary(prof, steps: int) -> str:
+    """Per-kernel lines of a profile: calls and device microseconds per step, by total time; then the sum of the
+    kernel times and the span from the first kernel's start to the last one's end, per step."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if not kernels:
+        return "no device events recorded\n"
+    calls, total = defaultdict(int), defaultdict(float)
+    for e in kernels:
+        calls[e.name] += 1
+        total[e.name] += e.time_range.elapsed_us()
+    span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+    lines = [f"{'kernel':70s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s}"]
+    for name in sorted(total, key=total.get, reverse=True):
+        lines.append(f"{name[:70]:70s} {calls[name] / steps:10.1f} {total[name] / steps:9.1f} "
+                     f"{total[name] / calls[name]:8.2f}")
+    lines.append(f"kernel time {sum(total.values()) / steps:.1f} us/step, span {span / steps:.1f} us/step, "
+                 f"{len(kernels) / steps:.0f} kernels/step")
+    return "\n".join(lines) + "\n"
+
+
 def profile_decode(llm, args, vocab, variant: str) -> None:
-    """torch.profiler table of five decode steps at batch 1 and 64, written to --out (one file per variant and batch)."""
+    """Where five decode steps' device time goes at each --profile-batches size: kernel_summary, written to --out
+    (one file per variant and batch)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from fourfold.infer.requests import SamplingParams
 
     engine = llm.engine
-    for batch in (1, 64):
+    for batch in args.profile_batches:
         params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(prompts_for(batch, args.prompt_len, vocab, seed=777 + batch)):
             engine.add_request(f"profile-{batch}-{i}", p, params)
@@ -200,14 +225,10 @@ def profile_decode(llm, args, vocab, variant: str) -> None:
             for _ in range(5):
                 engine.step()
             torch.cuda.synchronize()
-        averages = prof.key_averages()
-        try:
-            table = averages.table(sort_by="device_time_total", row_limit=25)
-        except Exception:  # older profilers name the column after CUDA
-            table = averages.table(sort_by="cuda_time_total", row_limit=25)
         name = f"decode_profile_{variant}_b{batch}.txt"
         with open(os.path.join(args.out, name), "w") as f:
-            f.write(f"{variant} decode, batch {batch}, 5 engine steps (sampling and scheduling included)\n{table}\n")
+            f.write(f"{variant} decode, batch {batch}, 5 engine steps (sampling and scheduling included)\n")
+            f.write(kernel_summary(prof, 5))
         while engine.has_unfinished():
             engine.step()
         say(f"PROGRESS wrote {name}")
@@ -377,7 +398,8 @@ def main() -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--graphs", choices=["auto", "off"], default="auto")
     ap.add_argument("--compile-decode", action="store_true", help="torch.compile the decode forward before capture")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="write a per-kernel summary of decode steps")
+    ap.add_argument("--profile-batches", default="1,64", help="--profile: batch sizes to profile")
     ap.add_argument("--no-fused", action="store_true", help="fourfold: the model's own forward (no fused decoder)")
     ap.add_argument("--no-overlap", action="store_true", help="fourfold: read each step's tokens before returning")
     ap.add_argument("--no-look-ahead", action="store_true", help="fourfold: overlap output building only")
@@ -394,6 +416,7 @@ def main() -> int:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    args.profile_batches = [int(c) for c in str(args.profile_batches).split(",")]
     if args.hf_new_tokens is None:
         args.hf_new_tokens = 64 if args.quick else args.new_tokens
     os.makedirs(args.out, exist_ok=True)

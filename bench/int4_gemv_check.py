@@ -8,8 +8,7 @@ gated (SiLU*mul), residual-add and RMSNorm-prologue forms, through Int4WeightLin
 2. One decoder layer's matmul work at one row, as the engine runs it, each in a CUDA graph over 12 layers'
 weights (more than L2 holds): (a) bf16 Triton GEMVs + add+RMSNorm kernels (the bf16 model's path); (b) torch's
 int4 mm (tinygemm) + add+RMSNorm + SiLU*mul kernels (the int4 path before); (c) the int4 GEMV with separate
-norms; (d) norms and residual adds fused, each norm prologue reducing the row itself; (e) as (d) with the
-rows' sums of squares handed from GEMV to GEMV (the int4 path now). Per-kernel times of the int4
+norms; (d) norms and residual adds fused into the GEMVs (fused_decoder.INT4_FUSED_NORMS). Per-kernel times of the int4
 GEMV at 1..8 rows against tinygemm: bench/gemv_check.py. 3. `--sweep-s S`: tile configs at one row per shape.
 Writes int4_gemv_check.json.
 """
@@ -81,16 +80,17 @@ def parity(results: list) -> int:
 
 def sweep(results: list, deadline: float) -> dict:
     """Tile configs (BLOCK_N, KC, num_warps) of the int4 GEMV at one row per llama-1b shape, fastest first."""
+    import triton
     from gemv_check import int4_weights
     from fourfold.quant import int4_gemv
 
     best = {}
     shapes = {"qkv": (QKV, DIM), "o": (DIM, DIM), "gate_up": (2 * FFN, DIM), "down": (DIM, FFN)}
-    # num_warps = BLOCK_N * KC / 1024 / R gives each thread R weight rows (x's conversion shared by them)
-    configs = [(bn, kc, bn * kc // 1024 // r) for r in (1, 2, 4) for kc in (1024, 2048) for bn in (2, 4, 8, 16)
-               if 1 <= bn * kc // 1024 // r <= 16 and bn >= r]
     for name, (n, k) in shapes.items():
         gated = name == "gate_up"
+        # 8..64 packed words a thread (both halves when gated), chunks no longer than K rounded up to a power of 2
+        configs = [(bn, kc, w) for bn in (4, 8, 16, 32) for kc in (1024, 2048, 4096, 8192) for w in (1, 2, 4, 8)
+                   if kc <= triton.next_power_of_2(k) and 8 <= bn * kc // 8 // (32 * w) * (1 + gated) <= 64]
         x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
         i4, nbytes = int4_weights(n, k)
         found = []
@@ -151,25 +151,16 @@ def layer_timing(results: list, layers: int = 12) -> None:
         normed, res = add_rms_norm(x, res, nw, 1e-5)
         L["down"].decode(L["gu"].decode(normed, gated=True))
 
-    def rowpass_layer(L):   # each norm prologue reduces the whole row itself
+    def fused_layer(L):     # as the engine runs it (INT4_FUSED_NORMS): norms and residual adds in the GEMVs
         L["qkv"].decode(x0, norm_weight=nw)
         h = L["o"].decode(att, residual=x0)
         L["down"].decode(L["gu"].decode(h, gated=True, norm_weight=nw), residual=h)
-
-    sumsq = torch.zeros(3, 1, device=DEV)
-
-    def fused_layer(L):     # as the engine runs it: sums of squares handed from GEMV to GEMV
-        L["qkv"].decode(x0, norm_weight=nw, sumsq_in=sumsq[0])
-        h = L["o"].decode(att, residual=x0, sumsq_out=sumsq[1])
-        L["down"].decode(L["gu"].decode(h, gated=True, norm_weight=nw, sumsq_in=sumsq[1]), residual=h,
-                         sumsq_out=sumsq[2])
 
     from fourfold.quant import int4_gemv
     saved = int4_gemv.MAX_ROWS
     row = {}
     for name, fn, weights in (("bf16_gemv+norms", bf16_layer, bf), ("int4_tinygemm+norms+silu", tinygemm_layer, i4),
-                              ("int4_gemv+norms", gemv_layer, i4), ("int4_gemv_fused_rowpass", rowpass_layer, i4),
-                              ("int4_gemv_fused", fused_layer, i4)):
+                              ("int4_gemv+norms", gemv_layer, i4), ("int4_gemv_fused", fused_layer, i4)):
         int4_gemv.MAX_ROWS = 0 if "tinygemm" in name else saved
         row[name] = graph_us([lambda w=w: fn(w) for w in weights])
         print(f"layer at 1 row, {name:26s} {row[name]:7.2f} us")

@@ -14,11 +14,9 @@ too. Converted int4 models (fourfold.quant Int4WeightLinear in every block linea
 packed nibbles, scales and zero points stacked by rows, and run the module's own kernels (torch's int4 mm,
 or fourfold.quant.int4_gemv with SiLU*mul fused where its MAX_ROWS allows).
 Decode steps of such a model with weight-only int4 linears (no activation quantization) go further: each
-RMSNorm runs in the prologue of the GEMV that reads it and each residual add in the epilogue of the GEMV
-before it, so a layer is q|k|v, rotary, attention, o (+ residual), gate|up (norm, SiLU*mul), down (+ residual):
-no add+RMSNorm kernels (INT4_FUSED_NORMS, off by default: slower on an H200). The GEMV that writes a
-residual row also adds up its sum of squares (float32 atomics, so the last bits of a norm can vary from run
-to run) for the one that normalises it.
+RMSNorm runs inside the GEMV that reads it (its rstd from squares summed in the GEMV's own loop) and each
+residual add in the epilogue of the GEMV before it, so a layer is q|k|v (norm), rotary, attention, o
+(+ residual), gate|up (norm, SiLU*mul), down (+ residual): no add+RMSNorm kernels (INT4_FUSED_NORMS).
 Tensor-parallel (DTensor weights) and pipeline-stage models are left alone (`from_model` returns None)
 and run the model's own forward.
 """
@@ -37,11 +35,11 @@ from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.step_tensors import StepTensors
 from fourfold.quant.packing import Int4WeightLinear
 
-INT4_FUSED_NORMS = False
+INT4_FUSED_NORMS = True
 """Int4 weight-only models at decode (rows within fourfold.quant.int4_gemv.MAX_ROWS): norms and residual adds
-inside the int4 GEMVs. Off: on an H200 the separate add+RMSNorm kernels were faster (llama-1b batch 1:
-0.730 vs 0.827 ms/step; bench/results/2026-11-24-h200-int4fast/): every program of the GEMV repeats the
-norm's arithmetic on its slice of x, which costs more than the kernel it saves."""
+inside the int4 GEMVs, two kernels a layer fewer (H200, llama-1b batch 1: 0.639 against 0.661-0.674 ms/step;
+bench/results/2026-11-24-h200-int4-v3/). The normed rows are not rounded to the activation dtype before the
+matmuls (the separate kernels round them), so logits differ from the unfused path by about that rounding."""
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q (T, hq, d), k_cache, v_cache) -> (T, hq, d): attention over the already-written pool."""
@@ -188,18 +186,15 @@ class FusedDecoder:
     def _int4_decode(self, h: torch.Tensor, st: StepTensors, pool: KVPool, attend: Attend) -> torch.Tensor:
         """The step of an int4 weight-only model through GEMVs that carry the norms and residual adds; h: embeddings."""
         m = self.model
-        # sums of squares of each residual row, added up by the GEMV that writes the row (atomics), read by the
-        # one that normalises it: rows [2i] after layer i's o projection, [2i + 1] after its down projection
-        sumsq = torch.zeros(2 * len(self.blocks), h.shape[0], device=h.device, dtype=torch.float32)
-        for i, (layer_idx, b) in enumerate(self.blocks):
-            qkv = b.qkv.packed.decode(h, norm_weight=b.attn_norm, eps=b.eps, sumsq_in=sumsq[2 * i - 1] if i else None)
+        for layer_idx, b in self.blocks:
+            qkv = b.qkv.packed.decode(h, norm_weight=b.attn_norm, eps=b.eps)
             k_cache, v_cache = pool.layer(layer_idx)
             q = rotary_kv_write(qkv, st.positions, m.rope_cos, m.rope_sin, k_cache, v_cache, st.slot_mapping,
                                 b.n_heads, b.n_kv_heads)
             out = attend(layer_idx, q, k_cache, v_cache)
-            h = b.wo.packed.decode(out.reshape(out.shape[0], -1), residual=h, sumsq_out=sumsq[2 * i])
-            act = b.gate_up.packed.decode(h, gated=True, norm_weight=b.ffn_norm, eps=b.eps, sumsq_in=sumsq[2 * i])
-            h = b.w2.packed.decode(act, residual=h, sumsq_out=sumsq[2 * i + 1])
+            h = b.wo.packed.decode(out.reshape(out.shape[0], -1), residual=h)
+            act = b.gate_up.packed.decode(h, gated=True, norm_weight=b.ffn_norm, eps=b.eps)
+            h = b.w2.packed.decode(act, residual=h)
         h, _ = add_rms_norm(h[st.logits_for], None, m.norm.weight, m.norm.eps)
         head = m.output
         return _Linear(head.weight, head.bias)(h) if type(head) is nn.Linear else head(h)

@@ -4,7 +4,7 @@
     y = int4_gemv(x, weight_int4, scales, zero_points, group_size, bias, words=words)   # x (M, K), M small
     act = int4_gemv(x, ..., gated=True)           # silu(x @ gate.T) * (x @ up.T), rows stacked [gate | up]
     h = int4_gemv(x, ..., residual=r)             # r + x @ W.T, rounded as the eager residual add rounds
-    y = int4_gemv(h, ..., norm_weight=w, eps=e)   # RMSNorm(h) * w @ W.T: the norm in the prologue
+    y = int4_gemv(h, ..., norm_weight=w, eps=e)   # (RMSNorm(h) * w) @ W.T: the norm fused in
 
 Stored layout (fourfold.quant.packing): uint8 [N, K/2] of u = q + 8, element 2j in the high nibble; scales
 [N, K/G]; int8 zero points [N, K/G]; the weight is (u - 8 - z) * s. `repack_planes` rewrites the same bytes
@@ -14,14 +14,20 @@ meets a contiguous slice of x. A nibble becomes a float with two integer ops and
 bits 19..22 and OR-ed with the bits of 1.0 it reads 1 + u/16, so per group
     sum_k (u_k - 8 - z) x_k = 16 * (sum_k (1 + u_k/16) x_k - (24 + z)/16 * sum_k x_k),
 and the inner loop is shift, and-or (one LOP3), FMA per weight; scale and zero point apply once per (row,
-group) after a group's words are summed. One program owns BLOCK_N rows and one token row and walks K in
+quad) after the four words of a quad (one 16-byte load, one thread, one group) are summed, so no partial sum
+crosses threads before the final one. x is loaded as one vector per plane and broadcast over the program's
+rows: each thread converts an x element once for all the rows it holds (bench/decode_floor.py showed the GEMVs
+instruction-bound, not memory-bound). One program owns BLOCK_N rows and one token row and walks K in
 KC-element chunks with 16-byte loads of packed words (the next chunk's weights and scales are loaded before
 this chunk's math, the first before waiting on the previous kernel: programmatic dependent launch on Hopper,
 fourfold.ops.triton_launch). H200, llama-1b at one row (bench/gemv_check.py): 1.1-1.4x torch's int4 mm.
 Token rows of one weight tile are adjacent in the grid (the tile comes from HBM once, then from L2). The grid
 depends only on shapes, so calls can be captured in CUDA graphs. With `residual` (epilogue) and `norm_weight`
-(prologue) a quantized decoder layer needs no separate add+RMSNorm kernels (fourfold.infer.fused_decoder's
-INT4_FUSED_NORMS, off by default: slower on an H200 than the separate kernels).
+a quantized decoder layer needs no separate add+RMSNorm kernels (fourfold.infer.fused_decoder's
+INT4_FUSED_NORMS). The norm costs no extra pass: since RMSNorm(h) * w = rstd * (h * w) with one rstd per token
+row, the loop multiplies each x element by its norm weight and adds up the squares of x as it goes, and rstd
+scales the finished sums (before bias and SiLU). The normed row is not rounded to x's dtype first, as the
+separate kernel's store rounds it, so results differ from that path by about the dtype's rounding.
 """
 
 from __future__ import annotations
@@ -69,30 +75,30 @@ if triton is not None:
         return s, c
 
     @triton.jit
-    def _group_terms(dot, s, c, xs_g, BLOCK_N: tl.constexpr, GC: tl.constexpr, GW: tl.constexpr):
-        """Per (row, group) of a chunk: s * (sum_k (1 + u/16) x - c * sum_k x), from the per-word sums."""
-        dot_g = tl.sum(tl.reshape(dot, (BLOCK_N, GC, GW)), axis=2)
-        return s * (dot_g - c * xs_g)
+    def _quad_terms(dot, s, c, xs_q, BLOCK_N: tl.constexpr, W: tl.constexpr):
+        """Per (row, quad of words) of a chunk: s * (sum_k (1 + u/16) x - c * sum_k x) from the per-word sums; a
+        quad is the four words of one 16-byte load, held by one thread and inside one group, so no shuffles."""
+        dot_q = tl.sum(tl.reshape(dot, (BLOCK_N, W // 4, 4)), axis=2)
+        return s * (dot_q - c * xs_q)
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, nw_ptr, ss_in_ptr, ss_out_ptr, out_ptr, N,
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, nw_ptr, out_ptr, N,
                           stride_xm, stride_wn, stride_sn, stride_rm, stride_om, up_offset, eps,
                           K: tl.constexpr, G: tl.constexpr, KC: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_RES: tl.constexpr, GATED: tl.constexpr, ASYM: tl.constexpr, NORM: tl.constexpr,
-                          SS_OUT: tl.constexpr,
-                          KP: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         pdl_signal(PDL)
         m, pid_n = tl.program_id(0), tl.program_id(1)
         W: tl.constexpr = KC // 8          # packed words per row per chunk
         GW: tl.constexpr = G // 8          # words per group
-        GC: tl.constexpr = KC // G         # groups per chunk
         ITERS: tl.constexpr = (K + KC - 1) // KC
         EVEN: tl.constexpr = K % KC == 0   # else the last chunk is cut at K (whole groups: G divides K)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         rows64 = rows.to(tl.int64)
         w = tl.arange(0, W)
-        gc = tl.arange(0, GC)
+        quad = tl.arange(0, W // 4)
+        quad_group = quad * 4 // GW        # the group of each quad's words within the chunk
         w_rows = w_ptr + rows64[:, None] * stride_wn + w[None, :]
         u_rows = w_rows + up_offset * stride_wn
         # the weights do not depend on the previous kernel: the first chunk is in flight before waiting for it
@@ -100,34 +106,26 @@ if triton is not None:
         p = tl.load(w_rows, mask=p_ok, other=0)
         if GATED:
             pu = tl.load(u_rows, mask=p_ok, other=0)
-        sz = rows64[:, None] * stride_sn + gc[None, :]
-        s_ok = row_ok[:, None] & (gc < K // G)[None, :]
+        sz = rows64[:, None] * stride_sn + quad_group[None, :]
+        s_ok = row_ok[:, None] & (quad * 4 < K // 8)[None, :]
         s, c = _load_scales(s_ptr, z_ptr, sz, s_ok, ASYM)
         if GATED:
             su, cu = _load_scales(s_ptr, z_ptr, sz + up_offset * stride_sn, s_ok, ASYM)
         pdl_wait(PDL)
-        acc = tl.zeros([BLOCK_N, GC], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, GC], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, W // 4], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, W // 4], dtype=tl.float32)
         x_row = x_ptr + m * stride_xm
-        x_ty = x_ptr.dtype.element_ty
-        rstd = 1.0
-        if NORM == 1:  # RMSNorm of the row first (as fused_ops.add_rms_norm): every program reduces the whole row
-            kk = tl.arange(0, KP)
-            hv = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(hv * hv, axis=0) / K + eps)
-        elif NORM == 2:  # the row's sum of squares, added up by the kernel that wrote x (SS_OUT)
-            rstd = 1.0 / tl.sqrt(tl.load(ss_in_ptr + m) / K + eps)
+        sq = tl.zeros([W], dtype=tl.float32)  # NORM: squares of x
         for it in range(ITERS):
             next_ok = row_ok[:, None] & ((it + 1) * W + w < K // 8)[None, :]
             p_next = tl.load(w_rows + (it + 1) * W, mask=next_ok, other=0)
             if GATED:
                 pu_next = tl.load(u_rows + (it + 1) * W, mask=next_ok, other=0)
-            # x slice of nibble plane i for every word (group of the word, plane offset, word within group), as a
-            # (BLOCK_N, W) tile like the weights': the same layout, so no shuffles through shared memory
+            # x slice of nibble plane i for every word (group of the word, plane offset, word within group): one
+            # vector per plane, broadcast over the tile's rows, so a thread converts each x once for all its rows
             x_off = tl.max_contiguous(tl.multiple_of(it * KC + (w // GW) * G + (w % GW), 4), 4)
-            x_off = x_off[None, :] + tl.zeros([BLOCK_N, W], dtype=tl.int32)
-            w_ok = (it * W + w < K // 8)[None, :] & row_ok[:, None]
-            xs = tl.zeros([BLOCK_N, W], dtype=tl.float32)          # sum of x over each word's 8 elements
+            w_ok = it * W + w < K // 8
+            xs = tl.zeros([W], dtype=tl.float32)          # sum of x over each word's 8 elements
             dot = tl.zeros([BLOCK_N, W], dtype=tl.float32)
             dot_up = tl.zeros([BLOCK_N, W], dtype=tl.float32)
             for i in tl.static_range(8):
@@ -135,33 +133,39 @@ if triton is not None:
                     xi = tl.load(x_row + x_off + i * GW).to(tl.float32)
                 else:
                     xi = tl.load(x_row + x_off + i * GW, mask=w_ok, other=0.0).to(tl.float32)
-                if NORM > 0:   # normed = x * rstd * weight, rounded to x's dtype as the separate kernel stores it
+                if NORM:   # x * norm weight now, times the row's rstd once the sums are done
                     if EVEN:
                         nwi = tl.load(nw_ptr + x_off + i * GW).to(tl.float32)
                     else:
                         nwi = tl.load(nw_ptr + x_off + i * GW, mask=w_ok, other=0.0).to(tl.float32)
-                    xi = (xi * rstd * nwi).to(x_ty).to(tl.float32)
+                    sq += xi * xi
+                    xi = xi * nwi
                 xs += xi
-                dot += _nibble(p, i, ASM) * xi
+                dot += _nibble(p, i, ASM) * xi[None, :]
                 if GATED:
-                    dot_up += _nibble(pu, i, ASM) * xi
-            # scale and zero point once per (row, group): each group's words summed first
-            xs_g = tl.sum(tl.reshape(xs, (BLOCK_N, GC, GW)), axis=2)
-            acc += _group_terms(dot, s, c, xs_g, BLOCK_N, GC, GW)
-            sz_next = sz + (it + 1) * GC
-            s_ok_next = row_ok[:, None] & ((it + 1) * GC + gc < K // G)[None, :]
+                    dot_up += _nibble(pu, i, ASM) * xi[None, :]
+            # scale and zero point once per (row, quad): each quad's words summed first
+            xs_q = tl.sum(tl.reshape(xs, (W // 4, 4)), axis=1)[None, :]
+            acc += _quad_terms(dot, s, c, xs_q, BLOCK_N, W)
+            sz_next = sz + (it + 1) * (KC // G)
+            s_ok_next = row_ok[:, None] & ((it + 1) * W + quad * 4 < K // 8)[None, :]
             s, c = _load_scales(s_ptr, z_ptr, sz_next, s_ok_next, ASYM)
             if GATED:
-                acc_up += _group_terms(dot_up, su, cu, xs_g, BLOCK_N, GC, GW)
+                acc_up += _quad_terms(dot_up, su, cu, xs_q, BLOCK_N, W)
                 su, cu = _load_scales(s_ptr, z_ptr, sz_next + up_offset * stride_sn, s_ok_next, ASYM)
                 pu = pu_next
             p = p_next
         y = tl.sum(acc, axis=1) * 16.0
+        if NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+            y = y * rstd
         out_ty = out_ptr.dtype.element_ty
         if HAS_BIAS:
             y = y + tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if GATED:
             up = tl.sum(acc_up, axis=1) * 16.0
+            if NORM:
+                up = up * rstd
             if HAS_BIAS:
                 up = up + tl.load(b_ptr + up_offset + rows, mask=row_ok, other=0.0).to(tl.float32)
             y = swiglu_rounded(y, up, out_ptr)
@@ -170,9 +174,6 @@ if triton is not None:
             y = y.to(out_ty).to(tl.float32) + res
         y = y.to(out_ty)
         tl.store(out_ptr + m * stride_om + rows, y, mask=row_ok)
-        if SS_OUT:  # this program's share of the output row's sum of squares, for the next kernel's RMSNorm
-            yf = tl.where(row_ok, y.to(tl.float32), 0.0)
-            tl.atomic_add(ss_out_ptr + m, tl.sum(yf * yf, axis=0))
 
 
 def available() -> bool:
@@ -203,31 +204,26 @@ def unpack_planes(words: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def _config(n: int, k: int, group_size: int) -> tuple[int, int, int]:
     """(BLOCK_N, KC elements per chunk, num_warps) at one row, from bench/int4_gemv_check.py's sweep on an H200
-    (llama-1b: q|k|v 4 x 2048 / 4 warps 2.8 us, o the same 3.2 us, gate|up 8 x 2048 / 4 warps 6.5 us, down
-    4 x 2048 / 8 warps 5.9 us). A thread holds 4 words (32 weights) of R = BLOCK_N * KC / 1024 / num_warps
-    rows per chunk; R > 1 shares x's conversion between rows, R = 1 gives more, shorter warps (a GEMV of a few
-    MB is latency-bound). A chunk past K is cut at K."""
-    if n >= 4096:
-        block_n, kc, rows_per_thread = 8, 2048, 4
-    elif k > 4096:
-        block_n, kc, rows_per_thread = 4, 2048, 1
+    (llama-1b: q|k|v 8 x 2048 / 2 warps 3.4 us, o the same 2.9 us, gate|up 4 x 1024 / 1 warp 5.9 us, down
+    8 x 8192 / 8 warps 4.3 us). Long rows (down) take K in one chunk, so all of a program's weights are in
+    flight before it waits for the previous kernel; small programs suit the rest. A chunk past K is cut at K."""
+    if k > 4096:
+        block_n, kc, warps = 8, min(16384, triton.next_power_of_2(k)), 8
+    elif n >= 4096:
+        block_n, kc, warps = 4, 1024, 1
     else:
-        block_n, kc, rows_per_thread = 4, 2048, 2
-    kc = max(group_size, min(kc, triton.next_power_of_2(k)))
-    return block_n, kc, max(1, min(16, block_n * kc // 1024 // rows_per_thread))
+        block_n, kc, warps = 8, 2048, 2
+    return block_n, max(group_size, min(kc, triton.next_power_of_2(k))), warps
 
 
 def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
               group_size: int, bias: torch.Tensor | None = None, gated: bool = False,
               config: tuple[int, int, int] | None = None, asym: bool = True, words: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-              eps: float = 1e-5, sumsq_in: torch.Tensor | None = None,
-              sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
+              eps: float = 1e-5) -> torch.Tensor:
     """x (.., K) @ dequant(W).T + bias in x's dtype; `gated`: silu(first half) * second half of the rows;
     `residual` (.., N): added to the result; `norm_weight` (K,): x is first RMS-normalised (eps) and scaled
-    by it, rounded to x's dtype, as fourfold.infer.fused_ops.add_rms_norm does; with `sumsq_in` (float32 (M,):
-    each row's sum of squares, from the kernel that wrote x) the prologue skips its own pass over the row.
-    `sumsq_out` (float32 (M,), zeroed): the output rows' sums of squares are added into it (atomics).
+    by it (as fourfold.infer.fused_ops.add_rms_norm, without rounding the normed row: module docstring).
     `words`: repack_planes(weight_int4) if already made (else made here). `asym=False` skips the zero points
     (all zero: symmetric schemes)."""
     k = x.shape[-1]
@@ -249,15 +245,11 @@ def int4_gemv(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
         assert res.stride(-1) == 1
     grid = (rows, triton.cdiv(n, block_n))
     _int4_gemv_kernel[grid](x2, words, scales, zero_points, bias if bias is not None else scales,
-                            res if res is not None else out, norm_weight if norm_weight is not None else x2,
-                            sumsq_in if sumsq_in is not None else out, sumsq_out if sumsq_out is not None else out,
-                            out, n,
+                            res if res is not None else out, norm_weight if norm_weight is not None else x2, out, n,
                             x2.stride(0), words.stride(0), scales.stride(0), res.stride(0) if res is not None else 0,
                             out.stride(0), n, eps, K=k, G=group_size, KC=kc, HAS_BIAS=bias is not None,
-                            HAS_RES=res is not None, GATED=gated, ASYM=asym,
-                            NORM=0 if norm_weight is None else (2 if sumsq_in is not None else 1),
-                            SS_OUT=sumsq_out is not None,
-                            KP=triton.next_power_of_2(k), BLOCK_N=block_n,
+                            HAS_RES=res is not None, GATED=gated, ASYM=asym, NORM=norm_weight is not None,
+                            BLOCK_N=block_n,
                             ASM=USE_ASM and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
                             PDL=pdl(x.device), num_warps=warps, launch_pdl=pdl(x.device))
     return out.reshape(*x.shape[:-1], n)

@@ -136,14 +136,12 @@ class Int4WeightLinear(nn.Module):
         return gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS
 
     def decode(self, x: torch.Tensor, *, gated: bool = False, residual: torch.Tensor | None = None,
-               norm_weight: torch.Tensor | None = None, eps: float = 1e-5, sumsq_in: torch.Tensor | None = None,
-               sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
+               norm_weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
         """The int4 GEMV (see uses_gemv) with its fusions: `gated` SiLU*mul, `residual` add, `norm_weight`: x is
-        RMS-normalised first, `sumsq_in` / `sumsq_out`: rows' sums of squares handed from the kernel that writes a
-        row to the one that normalises it (fourfold.quant.int4_gemv). x is used as given (no activation fake-quant)."""
+        RMS-normalised first (fourfold.quant.int4_gemv). x is used as given (no activation fake-quant)."""
         return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size, self.bias,
                               gated=gated, asym=not self.scheme.symmetric, words=self.planes(), residual=residual,
-                              norm_weight=norm_weight, eps=eps, sumsq_in=sumsq_in, sumsq_out=sumsq_out)
+                              norm_weight=norm_weight, eps=eps)
 
     def uses_gemm(self, x: torch.Tensor) -> bool:
         """Whether x (.., K) runs fourfold.quant.int4_gemm (CUDA, more than int4_gemm.TINYGEMM_ROWS rows)."""
