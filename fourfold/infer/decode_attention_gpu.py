@@ -143,7 +143,8 @@ if triton is not None:
             tl.store(v_ptr + page * stride_vb + offset * stride_vs + kv_head * stride_vh + dims, v_new)
         current = seq_len - 1  # this token's position: its k / v come from registers, not the pool
         chunks = tl.cdiv(seq_len, BLOCK_N)
-        per_split = tl.cdiv(chunks, SPLITS)
+        per_split = tl.maximum(tl.cdiv(chunks, SPLITS), 1)
+        active = tl.cdiv(chunks, per_split)  # splits 0..active-1 have positions; the others only wrote the pool
         chunk_begin = split * per_split
         chunk_end = tl.minimum(chunks, chunk_begin + per_split)
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -173,38 +174,42 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        out_rows = (token * HQ + head)[:, None] * HEAD_DIM + dims[None, :]
-        if SPLITS == 1:
-            tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-        else:
-            # partial (T, hq, SPLITS, d) and lse (T, hq, SPLITS), float32; empty splits: zeros and -inf
+        if SPLITS == 1 or active == 1:  # one split holds the whole range: its output is final
+            if split == 0:
+                tl.store(out_ptr + (token * HQ + head)[:, None] * HEAD_DIM + dims[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        elif split < active:
+            # partial (T, hq, SPLITS, d) and lse (T, hq, SPLITS), float32; rows of splits >= active are never read
             part_rows = (token * HQ + head) * SPLITS
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+            lse = m_i + tl.log(l_i)  # every active split sees at least one position
             tl.store(part_ptr + (part_rows + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=row_valid[:, None])
             tl.store(lse_ptr + part_rows + split, lse, mask=row_valid)
             _fence_gpu(FENCE, THREADS)  # each thread's partial stores, ordered before ...
             tl.debug_barrier()  # ... the CTA barrier, before the ticket (release at gpu scope)
             counter = count_ptr + token * HKV + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLITS - 1:  # every other split has published its partial: combine
+            if ticket == active - 1:  # every other active split has published its partial: combine
                 _fence_gpu(FENCE, THREADS)
-                top = tl.full([G_PAD], float("-inf"), tl.float32)
-                for sp in range(SPLITS):
-                    top = tl.maximum(top, tl.load(lse_ptr + part_rows + sp, mask=row_valid, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-                top = tl.where(top == float("-inf"), 0.0, top)
-                total = tl.zeros([G_PAD], tl.float32)
-                acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-                for sp in range(SPLITS):
-                    weight = tl.exp(tl.load(lse_ptr + part_rows + sp, mask=row_valid, other=float("-inf"),
-                                            cache_modifier=".cg") - top)
-                    partial = tl.load(part_ptr + (part_rows + sp)[:, None] * HEAD_DIM + dims[None, :],
-                                      mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-                    total += weight
-                    acc += partial * weight[:, None]
-                out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-                tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+                _combine(part_ptr, lse_ptr, out_ptr, token * HQ + kv_head * GROUP, active, dims,
+                         HEAD_DIM, GROUP, SPLITS)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next layer / replay
+
+    @triton.jit
+    def _combine(part_ptr, lse_ptr, out_ptr, first_row, active, dims, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                 SPLITS: tl.constexpr):
+        """out[row] = sum_s exp(lse_s - max) partial_s / sum_s exp(lse_s - max) over the `active` splits, for
+        the GROUP heads from first_row; each head one (SPLITS, d) load from L2 (".cg"), unrolled so the loads
+        of several heads are in flight together."""
+        splits = tl.arange(0, SPLITS)
+        used = splits < active
+        for g in tl.static_range(GROUP):
+            rows = (first_row + g) * SPLITS + splits
+            lse = tl.load(lse_ptr + rows, mask=used, other=float("-inf"), cache_modifier=".cg")
+            weight = tl.exp(lse - tl.max(lse, axis=0))
+            partial = tl.load(part_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0,
+                              cache_modifier=".cg")
+            out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+            tl.store(out_ptr + (first_row + g) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
