@@ -15,11 +15,14 @@ both are bit for bit the old path's. Split 0 writes the new key and value to the
 rotary_kv_write does. Programs of other splits may run before that write lands, so no program reads the
 current position (seq_len - 1) from the pool: positions 0..seq_len-2 come from the pages and the current
 one from the registers (the chunk that holds it swaps the new k / v row in before its dots). Each split
-walks its share of the KV range in chunks of 32 positions with an online softmax, like attention_gpu.
-With SPLITS > 1 each program stores its normalised partial output and log-sum-exp to a float32 scratch,
-fences (every thread, gpu scope), meets the CTA barrier, and takes a ticket with an acq_rel atomic on a
-per-(token, kv head) counter; the program that draws the last ticket reads all partials (".cg": from L2,
-past L1), writes the combined output and sets the counter back to 0 for the next layer or graph replay.
+walks its share of the KV range in chunks of 32 positions with an online softmax, like attention_gpu
+(same chunking and split ranges). The splits that got positions (`active`, known to every program from
+seq_len) finish alone when there is one of them: it writes the output. Otherwise each active program stores
+its normalised partial output and log-sum-exp to a float32 scratch, fences (every thread, gpu scope), meets
+the CTA barrier, and takes a ticket with an acq_rel atomic on a per-(token, kv head) counter; the program
+that draws the last ticket fences again, reads the active partials (".cg": from L2, past L1), writes the
+combined output of its GROUP heads and sets the counter back to 0 for the next layer or graph replay.
+Programs of splits without positions write nothing but, for split 0, the pool.
 The counters live in one zeroed int32 buffer per device, allocated once (never per call: that would add
 a memset kernel) and kept for good, so captured CUDA graphs keep pointing at live memory. The split count
 and grid depend only on shapes (block_tables' width times the block size, the batch), never on device
