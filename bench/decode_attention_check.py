@@ -11,7 +11,7 @@ relative error printed), a second call equal to the first (ticket counters reset
 before each run. 2. Timing: `--layers` back-to-back calls, each layer with its own pool and q|k|v rows as in
 a decode step, captured in one CUDA graph per path and replayed 30 times; median us per layer, old / new
 ratio; after the replays the graph's outputs are checked against an eager run (counters across replays).
-3. `--sweep`: the new kernel at forced split counts 1..32 (batch 1 and 4). Writes decode_attention_check.json;
+3. `--sweep`: the new kernel at forced split counts 1..32 (batch 1, 4, 16). Writes decode_attention_check.json;
 prints a table. Exit code 1 if a check fails.
 """
 
@@ -173,7 +173,7 @@ def time_cases(results: list, width: int, n_layers: int, cos, sin) -> int:
 
 def sweep(results: list, width: int, n_layers: int, cos, sin) -> None:
     gen = torch.Generator(device=DEV).manual_seed(3)
-    for batch in (1, 4):
+    for batch in (1, 4, 16):
         for context in [c for c in (512, 2048) if c <= width * BS]:
             step = Step(batch, context, width, gen)
             layers = [Layer(step, gen) for _ in range(n_layers)]

@@ -22,7 +22,7 @@ its normalised partial output and log-sum-exp to a float32 scratch, fences (ever
 the CTA barrier, and takes a ticket with an acq_rel atomic on a per-(token, kv head) counter; the program
 that draws the last ticket fences again, reads the active partials (".cg": from L2, past L1), writes the
 combined output of its GROUP heads and sets the counter back to 0 for the next layer or graph replay.
-Programs of splits without positions write nothing but, for split 0, the pool.
+Splits without positions (never split 0, which writes the pool) do nothing more.
 The counters live in one zeroed int32 buffer per device, allocated once (never per call: that would add
 a memset kernel) and kept for good, so captured CUDA graphs keep pointing at live memory. The split count
 and grid depend only on shapes (block_tables' width times the block size, the batch), never on device
@@ -236,6 +236,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     group = n_heads // n_kv_heads
     if splits is None:
         splits = split_count(tokens, n_kv_heads, max_blocks * block_size)
+    assert splits >= 1 and splits & (splits - 1) == 0, splits
     out = torch.empty(tokens, n_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
     counters = _counter_buffer(qkv.device, tokens * n_kv_heads) if splits > 1 else None
     if counters is None:

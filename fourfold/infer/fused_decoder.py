@@ -27,6 +27,7 @@ and run the model's own forward.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -45,10 +46,11 @@ inside the int4 GEMVs. Off: on an H200 the separate add+RMSNorm kernels were fas
 0.730 vs 0.827 ms/step; bench/results/2026-11-24-h200-int4fast/): every program of the GEMV repeats the
 norm's arithmetic on its slice of x, which costs more than the kernel it saves."""
 
-FUSED_DECODE_ATTENTION = True
+FUSED_DECODE_ATTENTION = os.environ.get("FOURFOLD_DECODE_ATTENTION") != "0"
 """Decode steps on CUDA: rotary + KV-cache write + attention as one kernel (fourfold.infer.decode_attention_gpu,
 reached through `attend.with_rotary`) instead of rotary_kv_write, the attention kernel and its split combine.
-Set False to A/B the three-kernel path (bench/decode_attention_check.py compares them)."""
+Set False (or FOURFOLD_DECODE_ATTENTION=0 before import) to A/B the three-kernel path; the kernels alone are
+compared by bench/decode_attention_check.py."""
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q (T, hq, d), k_cache, v_cache) -> (T, hq, d): attention over the already-written pool.
