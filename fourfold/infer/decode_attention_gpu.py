@@ -47,7 +47,12 @@ BLOCK_N = 32
 """KV positions per chunk of the attention loop."""
 COUNTER_SLOTS = 4096 * 64
 """Per-(token, kv head) ticket counters allocated per device at first use (grown outside graph capture)."""
-NUM_WARPS = 4
+
+
+def _num_warps(head_dim: int) -> int:
+    """4 warps up to head_dim 64; 8 above (at 128 and 4 warps ptxas spills: 255 registers for sm_90)."""
+    return 4 if head_dim <= 64 else 8
+
 
 _counters: dict = {}  # device -> zeroed int32 buffer
 _retired: list = []  # smaller buffers replaced by a larger one: a captured graph may still use them
@@ -249,6 +254,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     if tokens == 0:
         return out
     use_pdl = pdl(qkv.device)
+    warps = _num_warps(head_dim)
     fence = qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     _decode_attention_kernel[(tokens, n_kv_heads, splits)](
         qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, out, part, lse, counters, block_tables, seq_lens,
@@ -256,6 +262,6 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0),
         HQ=n_heads, HKV=n_kv_heads, HEAD_DIM=head_dim, GROUP=group, G_PAD=max(16, 1 << (group - 1).bit_length()),
-        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits, FENCE=fence, THREADS=32 * NUM_WARPS, PDL=use_pdl,
-        num_warps=NUM_WARPS, launch_pdl=use_pdl)
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits, FENCE=fence, THREADS=32 * warps, PDL=use_pdl,
+        num_warps=warps, launch_pdl=use_pdl)
     return out
