@@ -8,11 +8,13 @@ and w1, w3 into one 2 * ffn by dim matrix, then points the model's own Linear we
 (views: no extra memory, and the model's eager forward still works, for inference). Per layer the
 step then runs: add+RMSNorm, qkv matmul, rotary + KV-cache write, paged attention, output matmul,
 add+RMSNorm, gate|up matmul, SiLU*mul, down matmul (fourfold.infer.fused_ops: one Triton kernel each on
-CUDA), instead of about thirty small eager kernels. On CUDA, steps of few tokens (decode) run the matmuls
-as Triton GEMVs (fourfold.infer.gemv_gpu), the gate|up one with SiLU*mul in its epilogue; the output head
-too. Converted int4 models (fourfold.quant Int4WeightLinear in every block linear) fuse the same way, their
-packed nibbles, scales and zero points stacked by rows, and run the module's own kernels (torch's int4 mm,
-or fourfold.quant.int4_gemv with SiLU*mul fused where its MAX_ROWS allows).
+CUDA), instead of about thirty small eager kernels. Decode steps on CUDA run rotary, KV write and attention
+(with its split-KV combine) as one kernel instead, fourfold.infer.decode_attention_gpu (FUSED_DECODE_ATTENTION;
+the runner's `attend.with_rotary`). On CUDA, steps of few tokens (decode) run the matmuls as Triton GEMVs
+(fourfold.infer.gemv_gpu), the gate|up one with SiLU*mul in its epilogue; the output head too. Converted
+int4 models (fourfold.quant Int4WeightLinear in every block linear) fuse the same way, their packed nibbles,
+scales and zero points stacked by rows, and run the module's own kernels (torch's int4 mm, or
+fourfold.quant.int4_gemv with SiLU*mul fused where its MAX_ROWS allows).
 Decode steps of such a model with weight-only int4 linears (no activation quantization) go further: each
 RMSNorm runs inside the GEMV that reads it (its rstd from squares summed in the GEMV's own loop) and each
 residual add in the epilogue of the GEMV before it, so a layer is q|k|v (norm), rotary, attention, o
@@ -23,6 +25,7 @@ and run the model's own forward.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -41,8 +44,16 @@ inside the int4 GEMVs, two kernels a layer fewer (H200, llama-1b batch 1: 0.639 
 bench/results/2026-11-24-h200-int4-v3/). The normed rows are not rounded to the activation dtype before the
 matmuls (the separate kernels round them), so logits differ from the unfused path by about that rounding."""
 
+FUSED_DECODE_ATTENTION = os.environ.get("FOURFOLD_DECODE_ATTENTION") != "0"
+"""Decode steps on CUDA: rotary + KV-cache write + attention as one kernel (fourfold.infer.decode_attention_gpu,
+reached through `attend.with_rotary`) instead of rotary_kv_write, the attention kernel and its split combine.
+Set False (or FOURFOLD_DECODE_ATTENTION=0 before import) to A/B the three-kernel path; the kernels alone are
+compared by bench/decode_attention_check.py."""
+
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""attend(layer_idx, q (T, hq, d), k_cache, v_cache) -> (T, hq, d): attention over the already-written pool."""
+"""attend(layer_idx, q (T, hq, d), k_cache, v_cache) -> (T, hq, d): attention over the already-written pool.
+It may carry `attend.with_rotary(layer_idx, qkv, cos, sin, k_cache, v_cache, hq, hkv) -> (T, hq, d)`, which
+does the rotary and KV-cache write too (fourfold.infer.model_runner gives it to decode steps on CUDA)."""
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -144,6 +155,17 @@ class _FusedBlock:
         self.w2 = _Linear.of([ffn.w2])
 
 
+def _attention(attend: Attend, layer_idx: int, qkv: torch.Tensor, st: StepTensors, cos: torch.Tensor,
+               sin: torch.Tensor, pool: KVPool, b: _FusedBlock) -> torch.Tensor:
+    """Rotary, KV-cache write and attention of one layer from its q|k|v rows; (T, hq, d)."""
+    k_cache, v_cache = pool.layer(layer_idx)
+    with_rotary = getattr(attend, "with_rotary", None) if FUSED_DECODE_ATTENTION else None
+    if with_rotary is not None:
+        return with_rotary(layer_idx, qkv, cos, sin, k_cache, v_cache, b.n_heads, b.n_kv_heads)
+    q = rotary_kv_write(qkv, st.positions, cos, sin, k_cache, v_cache, st.slot_mapping, b.n_heads, b.n_kv_heads)
+    return attend(layer_idx, q, k_cache, v_cache)
+
+
 class FusedDecoder:
     """A fourfold Llama's paged-step forward over fused weights (see the module docstring)."""
 
@@ -171,10 +193,7 @@ class FusedDecoder:
         for layer_idx, b in self.blocks:
             normed, residual = add_rms_norm(x, residual, b.attn_norm, b.eps)
             qkv = b.qkv(normed)
-            k_cache, v_cache = pool.layer(layer_idx)
-            q = rotary_kv_write(qkv, st.positions, cos, sin, k_cache, v_cache, st.slot_mapping, b.n_heads,
-                                b.n_kv_heads)
-            out = attend(layer_idx, q, k_cache, v_cache)
+            out = _attention(attend, layer_idx, qkv, st, cos, sin, pool, b)
             x = b.wo(out.reshape(out.shape[0], -1))
             normed, residual = add_rms_norm(x, residual, b.ffn_norm, b.eps)
             x = b.w2(b.gate_up(normed, gated=True))
@@ -188,10 +207,7 @@ class FusedDecoder:
         m = self.model
         for layer_idx, b in self.blocks:
             qkv = b.qkv.packed.decode(h, norm_weight=b.attn_norm, eps=b.eps)
-            k_cache, v_cache = pool.layer(layer_idx)
-            q = rotary_kv_write(qkv, st.positions, m.rope_cos, m.rope_sin, k_cache, v_cache, st.slot_mapping,
-                                b.n_heads, b.n_kv_heads)
-            out = attend(layer_idx, q, k_cache, v_cache)
+            out = _attention(attend, layer_idx, qkv, st, m.rope_cos, m.rope_sin, pool, b)
             h = b.wo.packed.decode(out.reshape(out.shape[0], -1), residual=h)
             act = b.gate_up.packed.decode(h, gated=True, norm_weight=b.ffn_norm, eps=b.eps)
             h = b.w2.packed.decode(act, residual=h)

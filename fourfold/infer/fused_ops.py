@@ -43,6 +43,16 @@ if triton is not None:
         tl.store(out_ptr + row * dim + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def rotate_rounded(x, partner, c, s):
+        """x * cos + rotate_half(x) * sin for x in the activation dtype, `partner` the matching element of
+        rotate_half(x) (-x2 for the first half, x1 for the second), c and s float32 values of that dtype;
+        each product and the sum rounded to the activation dtype. Shared with
+        fourfold.infer.decode_attention_gpu, so both kernels rotate bit for bit alike."""
+        dt = x.dtype
+        a, p = x.to(tl.float32), partner.to(tl.float32)
+        return ((a * c).to(dt).to(tl.float32) + (p * s).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
     def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_ptr, v_ptr,
                           stride_qkv, stride_cos, stride_kslot, stride_vslot,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
@@ -59,10 +69,8 @@ if triton is not None:
         c2 = tl.load(cos_ptr + pos * stride_cos + D // 2 + half).to(dt).to(tl.float32)
         s1 = tl.load(sin_ptr + pos * stride_cos + half).to(dt).to(tl.float32)
         s2 = tl.load(sin_ptr + pos * stride_cos + D // 2 + half).to(dt).to(tl.float32)
-        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        # x * cos + rotate_half(x) * sin, each product and the sum rounded to the activation dtype
-        o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
+        o1 = rotate_rounded(x1, -x2, c1, s1)
+        o2 = rotate_rounded(x2, x1, c2, s2)
         if head < HQ:
             out = q_out_ptr + (token * HQ + head) * D
             tl.store(out + half, o1)

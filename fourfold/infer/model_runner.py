@@ -20,11 +20,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from fourfold.infer import attention_gpu
+from fourfold.infer import attention_gpu, decode_attention_gpu
 from fourfold.infer.block_rows import BlockRows
 from fourfold.infer.cpu_decoder import CpuDecoder
 from fourfold.infer.cuda_graphs import DecodeGraphs
 from fourfold.infer.fused_decoder import FusedDecoder
+from fourfold.infer.fused_ops import rotary_kv_write
 from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.paged_attention import CpuAttentionPlan, PagedStep
 from fourfold.infer.scheduler import ScheduledChunk
@@ -146,6 +147,8 @@ class ModelRunner:
             def attend(layer_idx, q, k_cache, v_cache):
                 return attention_gpu.paged_attention(q, k_cache, v_cache, st.block_tables, st.seq_lens,
                                                      st.query_start, q.shape[-1] ** -0.5)
+            if st.tokens.shape[0] == st.seq_lens.shape[0]:  # decode: one kernel from q|k|v (shapes only, no sync)
+                attend.with_rotary = self._decode_attend_fn(st, attend)
             return attend
         plan = CpuAttentionPlan(st, self.pool.block_size)
 
@@ -154,6 +157,22 @@ class ModelRunner:
             return plan.attend(q, k_cache.view(-1, k_cache.shape[2], d), v_cache.view(-1, v_cache.shape[2], d),
                                d ** -0.5)
         return attend_cpu
+
+    @staticmethod
+    def _decode_attend_fn(st: StepTensors, attend):
+        """with_rotary(layer, qkv, cos, sin, k_cache, v_cache, hq, hkv) for a decode step: rotary, KV write and
+        attention in one kernel (fourfold.infer.decode_attention_gpu), or the two-step path for head shapes it
+        does not take."""
+        def with_rotary(layer_idx, qkv, cos, sin, k_cache, v_cache, n_heads, n_kv_heads):
+            d = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+            if not decode_attention_gpu.supports(d, n_heads, n_kv_heads):
+                q = rotary_kv_write(qkv, st.positions, cos, sin, k_cache, v_cache, st.slot_mapping, n_heads,
+                                    n_kv_heads)
+                return attend(layer_idx, q, k_cache, v_cache)
+            return decode_attention_gpu.decode_attention(qkv, st.positions, cos, sin, k_cache, v_cache,
+                                                         st.slot_mapping, st.block_tables, st.seq_lens, d ** -0.5,
+                                                         n_heads, n_kv_heads)
+        return with_rotary
 
     @torch.inference_mode()
     def forward(self, st: StepTensors) -> torch.Tensor:
