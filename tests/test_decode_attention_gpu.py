@@ -217,6 +217,7 @@ def test_fused_decoder_decode_step_through_with_rotary(monkeypatch):
     attend = runner._attend_fn(st)
     with_rotary = ModelRunner._decode_attend_fn(st, attend)
     attend.with_rotary = lambda *a: calls.append(a[0]) or with_rotary(*a)
+    monkeypatch.setattr(fused_decoder, "FUSED_DECODE_ATTENTION", True)   # off by default (see fused_decoder)
     got = runner.fused(st, pool, attend)
     assert calls == [0, 1]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
