@@ -1,8 +1,9 @@
-"""The one-kernel decode attention (rotary, KV write, split-KV attention, combine) against the three-kernel path.
+"""The two-kernel decode attention (rotary + KV write + split-KV attention, then the combine) against the three-kernel path.
 
 The old path is fused_ops.rotary_kv_write (its Triton kernel, forced on CPU tensors too) and
 attention_gpu.paged_attention; without a GPU all of them run in Triton's interpreter (TRITON_INTERPRET=1,
-set by tests/conftest.py). The pool after the call must equal the old path's bit for bit. The half-precision
+set by tests/conftest.py). The pool after the call must equal the old path's bit for bit, and so must the
+output where both split the KV range alike (the same arithmetic; the interpreter runs it in one order). The half-precision
 cases run in bfloat16 on a GPU and in float16 under the interpreter (Triton 3.6's interpreter gets bfloat16
 conversions wrong: its rotary kernel already disagrees with torch there, and its attention outputs garbage).
 """
@@ -114,39 +115,43 @@ def new_path(c, splits=None):
     return out, k, v
 
 
-CASES = [  # (seq_lens, hq, hkv, d, block_size, splits, dtype)
+CASES = [  # (seq_lens, hq, hkv, d, block_size, splits (None: the shapes' default), dtype)
     ([1], 4, 4, 16, 4, None, torch.float32),                      # group 1, one position: the new k/v alone
     ([5, 33, 64, 17], 4, 2, 32, 16, 4, torch.float32),           # group 2; lengths across block and chunk edges
-    ([1, 9, 32, 33, 70], 8, 2, 64, 4, 8, HALF),        # group 4, five sequences, splits past their chunks
-    ([40, 3], 4, 2, 16, 4, 2, HALF),
-    ([97], 4, 1, 32, 16, None, torch.float32),                   # default split count from the table width
+    ([1, 9, 32, 33, 70], 8, 2, 64, 4, 8, HALF),                  # group 4, five sequences, splits past their chunks
+    ([40, 3], 4, 2, 16, 4, 1, HALF),                             # one split: no partials, no combine
+    ([97], 4, 1, 32, 16, None, torch.float32),                   # default: 8 splits from the table width, 3 empty
 ]
+
+
+def split_counts(monkeypatch, forced=None):
+    """Record the split count each path allocates for (attention_gpu.split_buffers); `forced` sets the old path's."""
+    seen = []
+    for module in (attention_gpu, decode_attention_gpu):
+        original = module.split_buffers
+        monkeypatch.setattr(module, "split_buffers", lambda out, splits, f=original: seen.append(splits) or f(out, splits))
+    if forced is not None:
+        monkeypatch.setattr(attention_gpu, "decode_splits", lambda programs, max_kv: forced)
+    return seen
 
 
 @pytest.mark.parametrize("seq_lens, hq, hkv, d, block_size, splits, dtype", CASES)
 def test_same_pool_and_output_as_rotary_then_paged_attention(seq_lens, hq, hkv, d, block_size, splits, dtype,
                                                              monkeypatch):
     c = make_case(seq_lens, hq=hq, hkv=hkv, d=d, block_size=block_size, dtype=dtype, extra_blocks=3)
+    seen = split_counts(monkeypatch, forced=splits)
     want, exact, k_old, v_old = old_path(c)
     got, k_new, v_new = new_path(c, splits)
+    assert len(seen) == 2 and seen[0] == seen[1], seen  # the shapes' split rule is attention_gpu's
     assert torch.equal(k_new, k_old) and torch.equal(v_new, v_old)  # rotary and write bit for bit
     with monkeypatch.context() as m:
         m.setattr(fused_ops, "_use_triton", lambda x: False)
         k_torch, v_torch = torch_rotary_pool(c)
     assert torch.equal(k_new.cpu(), k_torch) and torch.equal(v_new.cpu(), v_torch)
     assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got, want)  # same split count: the old path's arithmetic
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
-    torch.testing.assert_close(got.cpu().float(), want.cpu().float(), **tol)
     torch.testing.assert_close(got.cpu().float(), exact.float(), **tol)
-
-
-def test_twice_in_a_row_gives_the_same_result_and_leaves_the_counters_at_zero():
-    c = make_case([3, 50, 20], hq=4, hkv=2, d=16, block_size=4)
-    first, k1, _ = new_path(c, splits=4)
-    second, k2, _ = new_path(c, splits=4)
-    assert torch.equal(first, second) and torch.equal(k1, k2)
-    counters = decode_attention_gpu._counters[(torch.device(DEVICE).type, torch.device(DEVICE).index)]
-    assert int(counters.abs().sum()) == 0
 
 
 def test_the_current_position_is_never_read_from_the_pool():
@@ -183,12 +188,17 @@ def test_padded_graph_rows_leave_the_real_rows_alone():
     assert torch.equal(k_got[:scratch], k_want[:scratch]) and torch.equal(v_got[:scratch], v_want[:scratch])
 
 
-def test_split_count_depends_on_shapes_only():
-    assert decode_attention_gpu.split_count(1, 4, 2048) == decode_attention_gpu.MAX_SPLITS
-    assert decode_attention_gpu.split_count(1, 4, 5 * 32) == 4  # a power of two no larger than the 5 chunks
-    assert decode_attention_gpu.split_count(1, 4, 1) == 1
-    big = decode_attention_gpu.split_count(64, 4, 2048)
-    assert big < decode_attention_gpu.MAX_SPLITS and big & (big - 1) == 0
+def test_split_count_depends_on_shapes_only(monkeypatch):
+    # attention_gpu.decode_splits: powers of two up to MAX_SPLITS, about SPLIT_TARGET_PROGRAMS programs in all.
+    assert attention_gpu.decode_splits(1 * 4, 2048) == attention_gpu.MAX_SPLITS
+    assert attention_gpu.decode_splits(1 * 4, 5 * 32) == 8  # the next power of two of the 5 chunks
+    assert attention_gpu.decode_splits(1 * 4, 1) == 1
+    assert attention_gpu.decode_splits(64 * 4, 2048) == attention_gpu.SPLIT_TARGET_PROGRAMS // (64 * 4)
+    # decode_attention follows the table width, not the sequence lengths: a longer sequence splits alike.
+    seen = split_counts(monkeypatch)
+    new_path(make_case([2, 5], hq=4, hkv=2, d=16, block_size=4, extra_blocks=30))
+    new_path(make_case([100, 5], hq=4, hkv=2, d=16, block_size=4, extra_blocks=7))
+    assert seen == [attention_gpu.decode_splits(2 * 2, 32 * 4)] * 2 == [4, 4]
     assert not decode_attention_gpu.supports(24, 4, 2) and not decode_attention_gpu.supports(16, 6, 4)
 
 

@@ -34,6 +34,8 @@ SPLIT_TARGET_PROGRAMS = 1024
 """Decode splits the KV range until about this many programs run (several per SM on an H100/H200: at 64
 sequences x 4 KV heads the KV range is cut in 4)."""
 MAX_SPLITS = 32
+DECODE_BLOCK_N = 32
+"""KV positions per chunk of a decode step's attention loop (prefill tiles use 64)."""
 
 
 def available() -> bool:
@@ -43,6 +45,14 @@ def available() -> bool:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def decode_splits(programs: int, max_kv: int) -> int:
+    """Splits of a decode step's KV range, from shapes only: `programs` (one-token tiles x KV heads) times the
+    splits reaches about SPLIT_TARGET_PROGRAMS; a power of two, at most MAX_SPLITS and the next power of two
+    of the chunks in `max_kv` positions (the block tables' width times the block size)."""
+    wanted = -(-SPLIT_TARGET_PROGRAMS // max(1, programs))
+    return min(_next_pow2(wanted), _next_pow2(-(-max_kv // DECODE_BLOCK_N)), MAX_SPLITS)
 
 
 if triton is not None:
@@ -83,18 +93,39 @@ if triton is not None:
         per_split = tl.cdiv(chunks, SPLITS)
         chunk_begin = split * per_split
         chunk_end = tl.minimum(chunks, chunk_begin + per_split)
-        m_i = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
+        acc, m_i, l_i = attend_chunks(q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+                                      block_tables_ptr + seq * stride_bt, chunk_begin, chunk_end, kv_len, position,
+                                      scale, max_blocks, stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_valid,
+                                      0, 0, BLOCK_M * G_PAD, D_PAD, BLOCK_N, BLOCK_SIZE, False)
+        store_split(acc, m_i, l_i, out_ptr, lse_ptr, q_begin + token, head, dims, split, stride_ot, stride_oh,
+                    stride_os, row_valid, dim_valid, SPLITS)
+
+    @triton.jit
+    def attend_chunks(q, k_ptr, v_ptr, table_ptr, chunk_begin, chunk_end, kv_len, position, scale, max_blocks,
+                      stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_valid, k_new, v_new,
+                      ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      NEW_KV_IN_REGISTERS: tl.constexpr):
+        """(acc, m_i, l_i): online softmax of q's ROWS rows over the KV chunks chunk_begin..chunk_end-1 of
+        positions 0..kv_len-1, row r seeing positions 0..position[r]; k_ptr / v_ptr point at the KV head,
+        table_ptr at the sequence's block-table row. NEW_KV_IN_REGISTERS (fourfold.infer.decode_attention_gpu):
+        position kv_len - 1 is k_new / v_new (D_PAD,), never read from the pool."""
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D_PAD], tl.float32)
         offsets = tl.arange(0, BLOCK_N)
         for chunk in range(chunk_begin, chunk_end):
             kv_pos = chunk * BLOCK_N + offsets
             page = kv_pos // BLOCK_SIZE
-            block = tl.load(block_tables_ptr + seq * stride_bt + page, mask=page < max_blocks, other=0).to(tl.int64)
+            block = tl.load(table_ptr + page, mask=page < max_blocks, other=0).to(tl.int64)
             slot = kv_pos % BLOCK_SIZE
             kv_valid = kv_pos < kv_len
-            k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                        + dims[None, :], mask=kv_valid[:, None] & dim_valid[None, :], other=0.0)
+            in_pool = kv_valid
+            if NEW_KV_IN_REGISTERS:
+                in_pool = kv_pos < kv_len - 1
+            k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :],
+                        mask=in_pool[:, None] & dim_valid[None, :], other=0.0)
+            if NEW_KV_IN_REGISTERS:
+                k = tl.where((kv_pos == kv_len - 1)[:, None], k_new[None, :], k)
             scores = tl.dot(q, tl.trans(k)) * scale
             visible = (kv_pos[None, :] <= position[:, None]) & kv_valid[None, :]
             scores = tl.where(visible, scores, float("-inf"))
@@ -103,19 +134,28 @@ if triton is not None:
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                        + dims[None, :], mask=kv_valid[:, None] & dim_valid[None, :], other=0.0)
+            v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :],
+                        mask=in_pool[:, None] & dim_valid[None, :], other=0.0)
+            if NEW_KV_IN_REGISTERS:
+                v = tl.where((kv_pos == kv_len - 1)[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out_rows = (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        return acc, m_i, l_i
+
+    @triton.jit
+    def store_split(acc, m_i, l_i, out_ptr, lse_ptr, token, head, dims, split, stride_ot, stride_oh, stride_os,
+                    row_valid, dim_valid, SPLITS: tl.constexpr):
+        """Store the rows' normalised output: with one split the final output (out_ptr's dtype), else this
+        split's float32 partial at split * stride_os and its log-sum-exp, for _combine_kernel."""
+        out_rows = (token * stride_ot + head * stride_oh)[:, None] + dims[None, :]
         store_mask = row_valid[:, None] & dim_valid[None, :]
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if SPLITS == 1:
             tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=store_mask)
-        else:  # this split's normalised output and its log-sum-exp, combined by _combine_kernel
+        else:
             tl.store(out_ptr + out_rows + split * stride_os, out, mask=store_mask)
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
-            lse_rows = ((q_begin + token) * (stride_ot // stride_os) + head * (stride_oh // stride_os)) + split
+            lse_rows = token * (stride_ot // stride_os) + head * (stride_oh // stride_os) + split
             tl.store(lse_ptr + lse_rows, lse, mask=row_valid)
 
     @triton.jit
@@ -198,20 +238,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode = total <= n_seqs  # every sequence has at most one query: one-token tiles
     block_m = 1 if decode else max(1, 64 // g_pad)
     g_pad = max(g_pad, 16 // block_m)  # tl.dot wants at least 16 rows
-    block_n = 32 if decode else 64
+    block_n = DECODE_BLOCK_N if decode else 64
     tile_seq, tile_first, tiles = _step_tiles(query_start, total, block_m)
-    splits = 1
-    if decode:
-        max_chunks = -(-max_blocks * block_size // block_n)
-        wanted = -(-SPLIT_TARGET_PROGRAMS // max(1, tiles * n_kv_heads))
-        splits = min(_next_pow2(wanted), _next_pow2(max_chunks), MAX_SPLITS)
+    splits = decode_splits(tiles * n_kv_heads, max_blocks * block_size) if decode else 1
     out = torch.empty_like(q)
-    if splits == 1:
-        target, lse, out_strides = out, out, (out.stride(0), out.stride(1), 0)
-    else:
-        target = torch.empty(total, n_heads, splits, head_dim, device=q.device, dtype=torch.float32)
-        lse = torch.empty(total, n_heads, splits, device=q.device, dtype=torch.float32)
-        out_strides = (target.stride(0), target.stride(1), target.stride(2))
+    target, lse, out_strides = split_buffers(out, splits)
     if tiles == 0:
         return out
     use_pdl = pdl(q.device)
@@ -222,8 +253,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *out_strides, block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, SPLITS=splits, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
-    if splits > 1:
-        _combine_kernel[(total, n_heads)](target, lse, out, n_heads, out.stride(0), out.stride(1),
-                                          HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits, PDL=use_pdl, num_warps=1,
-                                          launch_pdl=use_pdl)
+    combine_splits(target, lse, out, use_pdl)
     return out
+
+
+def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """(target, lse, its token / head / split strides) for the attention kernel writing `out` (T, hq, d): out
+    itself for one split, else float32 partials (T, hq, splits, d) and log-sum-exps (T, hq, splits)."""
+    if splits == 1:
+        return out, out, (out.stride(0), out.stride(1), 0)
+    total, n_heads, head_dim = out.shape
+    target = torch.empty(total, n_heads, splits, head_dim, device=out.device, dtype=torch.float32)
+    lse = torch.empty(total, n_heads, splits, device=out.device, dtype=torch.float32)
+    return target, lse, (target.stride(0), target.stride(1), target.stride(2))
+
+
+def combine_splits(target: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, use_pdl: bool) -> None:
+    """out = the splits' partials in `target` (from `split_buffers`) weighted by softmax(lse): the combine
+    kernel, one program per (token, head); nothing when `target` is `out` (one split)."""
+    if target is out or out.shape[0] == 0:
+        return
+    total, n_heads, head_dim = out.shape
+    _combine_kernel[(total, n_heads)](target, lse, out, n_heads, out.stride(0), out.stride(1),
+                                      HEAD_DIM=head_dim, D_PAD=max(_next_pow2(head_dim), 16), SPLITS=target.shape[2],
+                                      PDL=use_pdl, num_warps=1, launch_pdl=use_pdl)
