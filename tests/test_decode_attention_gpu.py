@@ -1,10 +1,11 @@
-"""The two-kernel decode attention (rotary + KV write + split-KV attention, then the combine) against the three-kernel path.
+"""Decode attention in two kernels (rotary + KV write + split-KV attention; the combine) against the three-kernel path.
 
 The old path is fused_ops.rotary_kv_write (its Triton kernel, forced on CPU tensors too) and
 attention_gpu.paged_attention; without a GPU all of them run in Triton's interpreter (TRITON_INTERPRET=1,
-set by tests/conftest.py). The pool after the call must equal the old path's bit for bit, and so must the
-output where both split the KV range alike (the same arithmetic; the interpreter runs it in one order). The half-precision
-cases run in bfloat16 on a GPU and in float16 under the interpreter (Triton 3.6's interpreter gets bfloat16
+set by tests/conftest.py). The pool after the call must equal the old path's bit for bit; so must the output
+under the interpreter, where both split the KV range alike and run the same arithmetic in one order (on a GPU
+the compiled kernels differ, so there the outputs are compared with a tolerance). The half-precision cases
+run in bfloat16 on a GPU and in float16 under the interpreter (Triton 3.6's interpreter gets bfloat16
 conversions wrong: its rotary kernel already disagrees with torch there, and its attention outputs garbage).
 """
 
@@ -129,7 +130,8 @@ def split_counts(monkeypatch, forced=None):
     seen = []
     for module in (attention_gpu, decode_attention_gpu):
         original = module.split_buffers
-        monkeypatch.setattr(module, "split_buffers", lambda out, splits, f=original: seen.append(splits) or f(out, splits))
+        monkeypatch.setattr(module, "split_buffers",
+                            lambda out, splits, f=original: seen.append(splits) or f(out, splits))
     if forced is not None:
         monkeypatch.setattr(attention_gpu, "decode_splits", lambda programs, max_kv: forced)
     return seen
@@ -149,8 +151,10 @@ def test_same_pool_and_output_as_rotary_then_paged_attention(seq_lens, hq, hkv, 
         k_torch, v_torch = torch_rotary_pool(c)
     assert torch.equal(k_new.cpu(), k_torch) and torch.equal(v_new.cpu(), v_torch)
     assert got.shape == want.shape and got.dtype == want.dtype
-    assert torch.equal(got, want)  # same split count: the old path's arithmetic
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)  # same split count: the old path's arithmetic
+    torch.testing.assert_close(got.cpu().float(), want.cpu().float(), **tol)
     torch.testing.assert_close(got.cpu().float(), exact.float(), **tol)
 
 

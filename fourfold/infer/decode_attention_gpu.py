@@ -37,11 +37,6 @@ from fourfold.infer.attention_gpu import DECODE_BLOCK_N, combine_splits, decode_
 from fourfold.ops.triton_launch import pdl, triton
 
 
-def _num_warps(head_dim: int) -> int:
-    """4 warps (attention_gpu's) up to head_dim 64; 8 above."""
-    return 4 if head_dim <= 64 else 8
-
-
 def available() -> bool:
     """Whether Triton imported, so `decode_attention` can run (on CUDA, or under TRITON_INTERPRET=1)."""
     return triton is not None
@@ -83,7 +78,7 @@ if triton is not None:
         pos = tl.load(pos_ptr + token)
         dims = tl.arange(0, HEAD_DIM)
         first_half = dims < HEAD_DIM // 2
-        partner = dims ^ (HEAD_DIM // 2)  # the element rotate_half pairs with
+        partner = (dims + HEAD_DIM // 2) % HEAD_DIM  # the element rotate_half pairs with
         dt = qkv_ptr.dtype.element_ty
         c = tl.load(cos_ptr + pos * stride_cos + dims).to(dt).to(tl.float32)
         s = tl.load(sin_ptr + pos * stride_cos + dims).to(dt).to(tl.float32)
@@ -144,13 +139,13 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     if tokens == 0:
         return out
     use_pdl = pdl(qkv.device)
-    warps = _num_warps(head_dim)
     _decode_attention_kernel[(tokens, n_kv_heads, splits)](
         qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, target, lse, block_tables, seq_lens,
         float(scale), max_blocks, qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), *out_strides, block_tables.stride(0),
         HQ=n_heads, HKV=n_kv_heads, HEAD_DIM=head_dim, GROUP=group, G_PAD=max(16, 1 << (group - 1).bit_length()),
-        BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits, PDL=use_pdl,
+        num_warps=4, launch_pdl=use_pdl)  # attention_gpu's: the same mma tiling (no spills up to head_dim 256)
     combine_splits(target, lse, out, use_pdl)
     return out
