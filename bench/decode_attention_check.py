@@ -1,18 +1,19 @@
-"""GPU check and timing of the one-kernel decode attention against rotary_kv_write + paged_attention (3 kernels).
+"""GPU check and timing of decode attention in 2 kernels against rotary_kv_write + paged_attention (3 kernels).
 
     python bench/decode_attention_check.py --out DIR [--layers 22] [--max-model-len 2048] [--sweep]
 
 Shapes: `llama-1b` attention (hq 32, hkv 4, head_dim 64, block size 16, bf16), batches 1/4/16/64, contexts
 128..2048; the block tables are as wide as a captured decode graph's (--max-model-len / 16), since the
-split count follows the table width. 1. Parity, per (batch, context): fourfold.infer.decode_attention_gpu
-against fourfold.infer.fused_ops.rotary_kv_write + fourfold.infer.attention_gpu.paged_attention on copies of
-one pool: the pools afterwards must be equal bit for bit, the outputs within 2e-2 (bf16; max abs diff and
-relative error printed), a second call equal to the first (ticket counters reset), outputs poisoned (NaN)
-before each run. 2. Timing: `--layers` back-to-back calls, each layer with its own pool and q|k|v rows as in
-a decode step, captured in one CUDA graph per path and replayed 30 times; median us per layer, old / new
-ratio; after the replays the graph's outputs are checked against an eager run (counters across replays).
-3. `--sweep`: the new kernel at forced split counts 1..32 (batch 1, 4, 16). Writes decode_attention_check.json;
-prints a table. Exit code 1 if a check fails.
+split count (attention_gpu.decode_splits, the same for both paths) follows the table width. 1. Parity, per
+(batch, context): fourfold.infer.decode_attention_gpu (rotary + KV write + attention, then attention_gpu's
+combine) against fourfold.infer.fused_ops.rotary_kv_write + fourfold.infer.attention_gpu.paged_attention on
+copies of one pool: the pools afterwards must be equal bit for bit, the outputs within 2e-2 (bf16; max abs
+diff and relative error printed; whether they are bit-equal too is reported, not required), a second call
+equal to the first, outputs and partials poisoned (NaN) before each run. 2. Timing: `--layers` back-to-back
+calls, each layer with its own pool and q|k|v rows as in a decode step, captured in one CUDA graph per path
+and replayed 30 times; median us per layer, old / new ratio; after the replays the graph's outputs are
+checked against an eager run. 3. `--sweep`: the new path at forced split counts 1..32 (batch 1, 4, 16).
+Writes decode_attention_check.json; prints a table. Exit code 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def new_step(layer: Layer, cos, sin, k=None, v=None, splits=None) -> torch.Tenso
                                                  st.seq_lens, D ** -0.5, HQ, HKV, splits=splits)
 
 
+def splits_of(batch: int, width: int) -> int:
+    """The split count both paths use for this batch and block-table width (shapes only)."""
+    return attention_gpu.decode_splits(batch * HKV, width * BS)
+
+
 def poisoned(fn):
     """Run fn with torch.empty filling NaN (outputs, partials), so unwritten memory shows."""
     empty = torch.empty
@@ -109,14 +115,16 @@ def check_parity(results: list, width: int, cos, sin) -> int:
             diff = float((got.float() - want.float()).abs().max()) if torch.isfinite(got).all() else float("inf")
             rel = float((got.float() - want.float()).norm() / want.float().norm())
             repeat = bool(torch.equal(got, again))
+            bit_equal = bool(torch.equal(got, want))
             ok = pool_equal and diff < TOL and repeat
             failed += not ok
-            splits = decode_attention_gpu.split_count(batch, HKV, width * BS)
+            splits = splits_of(batch, width)
             results.append({"batch": batch, "context": context, "splits": splits, "pool_equal": pool_equal,
-                            "max_abs_diff": diff, "rel_err": rel, "repeat_equal": repeat, "ok": ok})
+                            "max_abs_diff": diff, "rel_err": rel, "out_bit_equal": bit_equal, "repeat_equal": repeat,
+                            "ok": ok})
             print(f"{'ok  ' if ok else 'FAIL'} batch {batch:3d} context {context:5d} splits {splits:2d}: pool "
-                  f"{'equal' if pool_equal else 'DIFFERS'}, max |diff| {diff:.2e}, rel {rel:.2e}, "
-                  f"repeat {'equal' if repeat else 'DIFFERS'}")
+                  f"{'equal' if pool_equal else 'DIFFERS'}, max |diff| {diff:.2e}, rel {rel:.2e}, output "
+                  f"{'bit-equal' if bit_equal else 'not bit-equal'}, repeat {'equal' if repeat else 'DIFFERS'}")
     return failed
 
 
@@ -146,7 +154,7 @@ def graph_run(calls: list) -> tuple[float, list]:
 
 def time_cases(results: list, width: int, n_layers: int, cos, sin) -> int:
     failed = 0
-    print(f"\n{'batch':>5s} {'context':>7s} {'splits':>6s} | {'3 kernels us':>12s} | {'1 kernel us':>11s} | old/new"
+    print(f"\n{'batch':>5s} {'context':>7s} {'splits':>6s} | {'3 kernels us':>12s} | {'2 kernels us':>12s} | old/new"
           f"  ({n_layers} layers in one graph, us per layer)")
     gen = torch.Generator(device=DEV).manual_seed(2)
     for batch in BATCHES:
@@ -160,11 +168,11 @@ def time_cases(results: list, width: int, n_layers: int, cos, sin) -> int:
             diff = max(float((o.float() - e.float()).abs().max()) for o, e in zip(outs, eager))
             ok = diff < TOL
             failed += not ok
-            splits = decode_attention_gpu.split_count(batch, HKV, width * BS)
+            splits = splits_of(batch, width)
             results.append({"batch": batch, "context": context, "splits": splits, "layers": n_layers,
                             "old_us_per_layer": old_us, "new_us_per_layer": new_us, "ratio": old_us / new_us,
                             "graph_vs_eager_max_abs_diff": diff, "ok": ok})
-            print(f"{batch:5d} {context:7d} {splits:6d} | {old_us:12.2f} | {new_us:11.2f} | {old_us / new_us:5.2f}x"
+            print(f"{batch:5d} {context:7d} {splits:6d} | {old_us:12.2f} | {new_us:12.2f} | {old_us / new_us:5.2f}x"
                   + ("" if ok else f"  FAIL: graph outputs differ from eager by {diff:.2e}"))
             del layers, outs, eager
             torch.cuda.empty_cache()
@@ -182,7 +190,7 @@ def sweep(results: list, width: int, n_layers: int, cos, sin) -> None:
                 us, _ = graph_run([lambda la=la: new_step(la, cos, sin, splits=splits) for la in layers])
                 found.append((us, splits))
             results.append({"batch": batch, "context": context, "us_by_splits": {s: u for u, s in found},
-                            "default": decode_attention_gpu.split_count(batch, HKV, width * BS)})
+                            "default": splits_of(batch, width)})
             print(f"sweep batch {batch} context {context}: " + ", ".join(f"{s}: {u:.2f}us" for u, s in found))
             del layers
             torch.cuda.empty_cache()
@@ -212,8 +220,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_attention_check.json").write_text(json.dumps(
         {"torch": torch.__version__, "device": torch.cuda.get_device_name(DEV), "max_model_len": a.max_model_len,
-         "split_target_programs": decode_attention_gpu.SPLIT_TARGET_PROGRAMS, "parity": parity, "timing": timing,
-         "sweep": sweeps}, indent=1))
+         "split_target_programs": attention_gpu.SPLIT_TARGET_PROGRAMS, "kernels": {"old": 3, "new": 2},
+         "parity": parity, "timing": timing, "sweep": sweeps}, indent=1))
     print(f"wrote {out / 'decode_attention_check.json'} in {time.time() - start:.0f}s")
     return 1 if failed else 0
 

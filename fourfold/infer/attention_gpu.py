@@ -16,7 +16,9 @@ time (the page of each position looked up in the block table, so any block size 
 softmax. Decode steps (T == S: one query per sequence) use one-token tiles and split the KV range over
 several programs when the batch alone cannot fill the GPU (split-KV, then a small combine kernel).
 The launch grid and the split count depend only on tensor shapes, and nothing reads device values on the
-host, so a decode step can be captured in a CUDA graph.
+host, so a decode step can be captured in a CUDA graph. fourfold.infer.decode_attention_gpu (rotary in
+front of the decode branch) shares the chunk loop `attend_chunks`, `store_split`, the split rule
+`decode_splits`, the partial buffers `split_buffers` and the combine `combine_splits`.
 
 Triton is optional: `available()` says whether it imported; CPU users use the torch reference. The
 tests run the kernel on CPU under TRITON_INTERPRET=1.

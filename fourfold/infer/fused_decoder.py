@@ -8,8 +8,8 @@ and w1, w3 into one 2 * ffn by dim matrix, then points the model's own Linear we
 (views: no extra memory, and the model's eager forward still works, for inference). Per layer the
 step then runs: add+RMSNorm, qkv matmul, rotary + KV-cache write, paged attention, output matmul,
 add+RMSNorm, gate|up matmul, SiLU*mul, down matmul (fourfold.infer.fused_ops: one Triton kernel each on
-CUDA), instead of about thirty small eager kernels. Decode steps on CUDA run rotary, KV write and attention
-(with its split-KV combine) as one kernel instead, fourfold.infer.decode_attention_gpu (FUSED_DECODE_ATTENTION;
+CUDA), instead of about thirty small eager kernels. Decode steps on CUDA can run rotary, KV write and attention
+as one kernel instead (then the split-KV combine), fourfold.infer.decode_attention_gpu (FUSED_DECODE_ATTENTION;
 the runner's `attend.with_rotary`). On CUDA, steps of few tokens (decode) run the matmuls as Triton GEMVs
 (fourfold.infer.gemv_gpu), the gate|up one with SiLU*mul in its epilogue; the output head too. Converted
 int4 models (fourfold.quant Int4WeightLinear in every block linear) fuse the same way, their packed nibbles,

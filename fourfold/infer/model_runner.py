@@ -161,8 +161,8 @@ class ModelRunner:
     @staticmethod
     def _decode_attend_fn(st: StepTensors, attend):
         """with_rotary(layer, qkv, cos, sin, k_cache, v_cache, hq, hkv) for a decode step: rotary, KV write and
-        attention in one kernel (fourfold.infer.decode_attention_gpu), or the two-step path for head shapes it
-        does not take."""
+        attention in one kernel, then the split combine (fourfold.infer.decode_attention_gpu), or the two-step
+        path for head shapes it does not take."""
         def with_rotary(layer_idx, qkv, cos, sin, k_cache, v_cache, n_heads, n_kv_heads):
             d = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
             if not decode_attention_gpu.supports(d, n_heads, n_kv_heads):
