@@ -25,8 +25,10 @@ Why not one kernel: an earlier version did the combine in the attention kernel t
 finish, found with an atomic ticket on per-(token, kv head) counters after gpu-scope fences, read all the
 partials and wrote the output). On an H200 (llama-1b attention: hq 32, hkv 4, d 64, bf16; 22 layers per
 CUDA graph) it was 2.5x slower than the three kernels: 13.3-14.7 against 5.4-5.8 us a layer at batch 1
-(contexts 128..1024), 75 against 50 us at batch 64 and context 2048 (the serial combine tail of one program
-per (token, kv head), fences and atomics on the critical path; bench/results/2026-11-24-h200-decode-attention/).
+(contexts 128..1024), 75 against 50 us at batch 64 and context 2048 (likely the serial combine tail of one
+program per (token, kv head), fences and atomics on the critical path, and a split target of its own;
+bench/results/2026-11-24-h200-decode-attention/). This path saves the one dependent launch that costs
+nothing to drop and keeps the rest of the old path. Still off by default: fused_decoder.FUSED_DECODE_ATTENTION.
 """
 
 from __future__ import annotations
