@@ -10,7 +10,8 @@ token ids, 256 new tokens, greedy, end-of-sequence ignored. Variants, each in it
                    checkpoint this script writes once (save_checkpoint); decode CUDA graphs are wired
                    onto the runner here unless the engine already has them (--graphs off: eager)
   fourfold-quant   the engine on the same random model converted with fourfold.quant (`ptq`, round to
-                   nearest, scheme --quant, e.g. int4-g128) and saved as a converted checkpoint, loaded
+                   nearest, scheme --quant, e.g. int4-g128; int4-g128+head: the output head too) and
+                   saved as a converted checkpoint, loaded
                    the way `fourfold generate` loads one; same concurrencies as fourfold
   fourfold-prefix  64 requests sharing a 1k-token system prompt (--system-len), prefix caching on and off
   hf-eager         `generate` (dynamic cache) at 1 and 64
@@ -86,8 +87,9 @@ def model_dir(args, quant: str | None = None):
         with torch.device(args.device):
             model = Llama(cfg.model).to(torch.bfloat16)
         meta = {"step": 0, "config": cfg.to_dict(), "tokenizer": "byte"}
-        if quant:
-            ptq(model, quant)
+        if quant:  # "SCHEME" or "SCHEME+head": the output head quantized too
+            scheme, _, extra = quant.partition("+")
+            ptq(model, scheme, output=extra == "head")
             meta["quant"] = quant_meta(model)
         save_checkpoint(run_dir, 0, model, None, meta, keep=1, writer=True)
         del model
@@ -412,7 +414,8 @@ def main() -> int:
                     "many tokens (default: fourfold.quant.int4_gemv.MAX_ROWS; 0: torch's _weight_int4pack_mm only)")
     ap.add_argument("--int4-fused-norms", type=int, choices=(0, 1), default=None, help="fourfold-quant: 0 runs "
                     "separate add+RMSNorm kernels at decode instead of fusing them into the int4 GEMVs (the default)")
-    ap.add_argument("--quant", default="int4-g128", help="scheme of the fourfold-quant variant (fourfold.quant)")
+    ap.add_argument("--quant", default="int4-g128", help="scheme of the fourfold-quant variant (fourfold.quant); "
+                    "SCHEME+head quantizes the output head too")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]

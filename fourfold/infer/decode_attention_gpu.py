@@ -39,6 +39,13 @@ from fourfold.infer.attention_gpu import DECODE_BLOCK_N, combine_splits, decode_
 from fourfold.ops.triton_launch import pdl, triton
 
 
+MAX_TOKENS = 8
+"""Decode steps of at most this many sequences take this path (fourfold.infer.model_runner); larger ones the
+three kernels. H200, llama-1b shapes, 22 layers in a graph (bench/decode_attention_check.py): 1.2-1.3x faster
+at 1-4 sequences, even at 16 x 512 positions, 0.71-0.91x at 16-64 sequences with long contexts (every split
+repeats the rotary of its query heads, and the register swap costs each chunk)."""
+
+
 def available() -> bool:
     """Whether Triton imported, so `decode_attention` can run (on CUDA, or under TRITON_INTERPRET=1)."""
     return triton is not None

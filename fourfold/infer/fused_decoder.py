@@ -44,12 +44,12 @@ inside the int4 GEMVs, two kernels a layer fewer (H200, llama-1b batch 1: 0.639 
 bench/results/2026-11-24-h200-int4-v3/). The normed rows are not rounded to the activation dtype before the
 matmuls (the separate kernels round them), so logits differ from the unfused path by about that rounding."""
 
-FUSED_DECODE_ATTENTION = os.environ.get("FOURFOLD_DECODE_ATTENTION") == "1"
-"""Decode steps on CUDA: rotary + KV-cache write + attention as one kernel (fourfold.infer.decode_attention_gpu,
-reached through `attend.with_rotary`) instead of rotary_kv_write, the attention kernel and its split combine.
-Off unless FOURFOLD_DECODE_ATTENTION=1 at import: on an H200 the one kernel (its combine done by the last split
-to finish) was 2.5x slower than the three at batch 1 (13.3 vs 5.4 us a layer; bf16 llama-1b 1.075 vs 0.882
-ms/step; bench/decode_attention_check.py, bench/results/2026-11-24-h200-decode-attention/)."""
+FUSED_DECODE_ATTENTION = os.environ.get("FOURFOLD_DECODE_ATTENTION") != "0"
+"""Decode steps of few sequences on CUDA (decode_attention_gpu.MAX_TOKENS): rotary + KV-cache write + attention
+as one kernel, then the split combine (fourfold.infer.decode_attention_gpu, reached through
+`attend.with_rotary`), instead of rotary_kv_write, the attention kernel and the combine. H200, llama-1b batch 1:
+4.4-4.8 vs 5.3-5.8 us a layer; bf16 0.823 vs 0.882 ms/step (bench/results/2026-11-24-h200-decode-attention-v2/).
+FOURFOLD_DECODE_ATTENTION=0 at import turns it off (A/B)."""
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q (T, hq, d), k_cache, v_cache) -> (T, hq, d): attention over the already-written pool.

@@ -147,7 +147,8 @@ class ModelRunner:
             def attend(layer_idx, q, k_cache, v_cache):
                 return attention_gpu.paged_attention(q, k_cache, v_cache, st.block_tables, st.seq_lens,
                                                      st.query_start, q.shape[-1] ** -0.5)
-            if st.tokens.shape[0] == st.seq_lens.shape[0]:  # decode: one kernel from q|k|v (shapes only, no sync)
+            tokens = st.tokens.shape[0]  # decode of few sequences: one kernel from q|k|v (shapes only, no sync)
+            if tokens == st.seq_lens.shape[0] and tokens <= decode_attention_gpu.MAX_TOKENS:
                 attend.with_rotary = self._decode_attend_fn(st, attend)
             return attend
         plan = CpuAttentionPlan(st, self.pool.block_size)
