@@ -28,7 +28,9 @@ CUDA graph) it was 2.5x slower than the three kernels: 13.3-14.7 against 5.4-5.8
 (contexts 128..1024), 75 against 50 us at batch 64 and context 2048 (likely the serial combine tail of one
 program per (token, kv head), fences and atomics on the critical path, and a split target of its own;
 bench/results/2026-11-24-h200-decode-attention/). This path saves the one dependent launch that costs
-nothing to drop and keeps the rest of the old path. Still off by default: fused_decoder.FUSED_DECODE_ATTENTION.
+nothing to drop and keeps the rest of the old path: 4.4-4.8 against 5.3-5.8 us a layer at batch 1
+(bench/results/2026-11-24-h200-decode-attention-v2/), used up to MAX_TOKENS sequences
+(fused_decoder.FUSED_DECODE_ATTENTION switches it).
 """
 
 from __future__ import annotations
