@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gemv_check import graph_run  # noqa: E402
 
 from fourfold.infer import attention_gpu, decode_attention_gpu  # noqa: E402
 from fourfold.infer.fused_ops import rotary_kv_write  # noqa: E402
@@ -126,30 +128,6 @@ def check_parity(results: list, width: int, cos, sin) -> int:
                   f"{'equal' if pool_equal else 'DIFFERS'}, max |diff| {diff:.2e}, rel {rel:.2e}, output "
                   f"{'bit-equal' if bit_equal else 'not bit-equal'}, repeat {'equal' if repeat else 'DIFFERS'}")
     return failed
-
-
-def graph_run(calls: list) -> tuple[float, list]:
-    """(median us per call, the captured outputs) with `calls` back to back in one CUDA graph, replayed 30 times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            outs = [c() for c in calls]
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(calls))
-    return statistics.median(times), outs
 
 
 def time_cases(results: list, width: int, n_layers: int, cos, sin) -> int:
