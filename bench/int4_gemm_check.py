@@ -10,8 +10,8 @@ holds), median per launch in us; prints the cuBLAS / best and tinygemm / best ra
 int4_gemm.DEQUANT_ROWS. 2. Parity against a float32 matmul of the dequantized weights on fresh random inputs,
 ||y - ref|| / ||ref|| (bf16 output: < 1e-2), for both methods and for Int4WeightLinear's own forward (torch's
 mm or int4_gemm by rows: int4_gemm.TINYGEMM_ROWS), schemes int4-g128, int4-g128-asym, int4-g32, 8da4w-g128,
-at 3, 16, 300 rows. 3. `--sweep`: the fused kernel's tile configs at 64, 256, 16 rows per shape, fastest
-first (until --budget-s). Writes int4_gemm_check.json. Exit code 1 if a check fails.
+at 3, 16, 300 rows. 3. `--sweep`: the fused kernel's tile and split-K configs at 64, 16, 256 rows per block
+shape, fastest first (until --budget-s). Writes int4_gemm_check.json. Exit code 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gemv_check import SHAPES, bf16_weights, graph_us, int4_weights, rel_err  # noqa: E402
 
+from fourfold.ops.triton_launch import triton  # noqa: E402
 from fourfold.quant import int4_gemm  # noqa: E402
 from fourfold.quant.fake_quant import dequantize_weight, fake_quantize_activation, quantize_weight  # noqa: E402
 from fourfold.quant.packing import Int4WeightLinear, int4_kernel_weight, scales_and_zeros  # noqa: E402
@@ -39,10 +40,11 @@ ROWS = (1, 4, 8, 16, 64, 256)
 METHODS = ("fused", "dequant")
 TOL = 1e-2
 DEV = torch.device("cuda")
-SWEEP = [(bm, bn, bk, w, st) for bm, bn, bk, w, st in [
-    (16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 64, 64, 4, 4), (16, 128, 128, 4, 3), (16, 32, 64, 4, 4),
-    (32, 64, 128, 4, 3), (64, 32, 128, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3),
-    (64, 128, 128, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 128, 8, 3), (64, 64, 128, 4, 4)]]
+SWEEP = [base + (split,) for split in (1, 2, 4, 8) for base in [
+    (16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 32, 64, 4, 4), (32, 64, 128, 4, 3), (64, 32, 128, 4, 3),
+    (64, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3)]]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) configs of the sweep; those with BLOCK_M above
+the row count (rounded up to 16) are skipped."""
 
 
 def check_parity(results: list, m_list=(3, 16, 300)) -> int:
@@ -80,10 +82,10 @@ def time_cases(results: list) -> None:
     for name, (n, k) in SHAPES.items():
         ws = bf16_weights(n, k)
         i4, _ = int4_weights(n, k)
-        tiled = [(int4_kernel_weight(p.cpu(), DEV), scales_and_zeros(s, z, torch.bfloat16)) for p, s, z in i4]
+        tiled = [(int4_kernel_weight(p.cpu(), DEV), scales_and_zeros(s, z, torch.bfloat16)) for p, s, z, *_ in i4]
         for m in ROWS:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            row = {"shape": name, "n": n, "k": k, "rows": m, "config": int4_gemm._config(m, n, 128),
+            row = {"shape": name, "n": n, "k": k, "rows": m, "config": int4_gemm._config(m, n, k, 128),
                    "cublas_us": graph_us([lambda w=w: F.linear(x, w) for w in ws]),
                    "int4mm_us": graph_us([lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], 128, t[1])
                                           for t in tiled])}
@@ -114,12 +116,14 @@ def choose(timing: list) -> dict:
 
 
 def sweep(results: list, deadline: float) -> None:
-    for m in (64, 256, 16):
+    for m in (64, 16, 256):
         for name, (n, k) in SHAPES.items():
+            if name == "head":  # bf16 unless converted with --output; the block linears first
+                continue
             i4, _ = int4_weights(n, k)
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             found = []
-            for cfg in SWEEP:
+            for cfg in [c for c in SWEEP if c[0] <= max(16, triton.next_power_of_2(m))]:
                 if time.time() > deadline:
                     break
                 us = graph_us([lambda t=t: int4_gemm.int4_gemm(x, t[0], t[1], t[2], 128, asym=False, config=cfg,
@@ -127,7 +131,7 @@ def sweep(results: list, deadline: float) -> None:
                 found.append((us, cfg))
             found.sort()
             results.append({"sweep": "int4_gemm", "shape": name, "rows": m, "best": found[:5],
-                            "default": int4_gemm._config(m, n, 128)})
+                            "default": int4_gemm._config(m, n, k, 128)})
             print(f"sweep x{m:<3d} {name:8s}: " + ", ".join(f"{c} {u:.2f}us" for u, c in found[:4]))
             del i4
             torch.cuda.empty_cache()

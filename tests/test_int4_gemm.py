@@ -40,6 +40,8 @@ def _weights(n: int, k: int, group: int, symmetric: bool, seed: int):
     (37, 24, 96, 32, (16, 16, 32, 4, 2), False, True),     # M not a multiple of BLOCK_M (3 M tiles), 3 groups
     (20, 48, 256, 128, (16, 32, 64, 4, 1), False, False),  # 2 k-steps per group, N tile half masked
     (3, 16, 64, 32, None, True, True),                     # the default config choice
+    (20, 48, 256, 128, (16, 32, 64, 4, 1, 2), False, True),  # split-K: 2 splits of 2 k-steps, bias in the sum
+    (5, 40, 96, 32, (16, 16, 32, 4, 1, 4), True, False),   # split 4 asked over 3 k-steps: 3 splits of one
 ])
 def test_int4_gemm_matches_dequantized_float64(rows, n, k, group, config, symmetric, bias, method):
     packed, scales, zeros, w = _weights(n, k, group, symmetric, seed=rows + n + k)
