@@ -29,10 +29,11 @@ import torch.nn.functional as F
 
 from fourfold.ops.triton_launch import triton
 
-TINYGEMM_ROWS = 8
+TINYGEMM_ROWS = 6
 """On CUDA, steps of at most this many token rows use torch's `_weight_int4pack_mm` (Int4WeightLinear); more
-use int4_gemm. H200, one llama-1b block (q|k|v + o + gate|up + down): tinygemm 40.8 us vs 57.1 us at 8 rows,
-63.4 vs 57.3 at 16 rows."""
+use int4_gemm. H200, one llama-1b block (q|k|v + o + gate|up + down), with split-K: tinygemm 29.5 us vs 36.5
+at 4 rows, 40.3 vs 36.6 at 8, 63.1 vs 37.4 at 16 (bench/results/2026-11-24-h200-int4gemm-splitk/); 5-7 rows
+were not timed, 6 is the crossover by interpolation."""
 DEQUANT_ROWS = 64
 """Above this many rows int4_gemm dequantizes the whole weight and calls cuBLAS (H200, the five llama-1b shapes
 summed: fused 115 vs 161 us at 64 rows, 252 vs 181 us at 256 rows)."""
