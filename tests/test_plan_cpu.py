@@ -100,6 +100,10 @@ def test_calibration_file_round_trip(tmp_path):
     ("latency = [1e-5, 1e-5]", "latency"),
     ("bogus = 1", "bogus"),
     ("elementwise_bytes = [10, 5, 20, 30, 40, 50]", "elementwise_bytes"),
+    ("comm_factor = 0", "comm_factor"),            # the reference-step and collective factors
+    ("dtensor_op = -1e-5", "dtensor_op"),
+    ("step_factor_1 = \"slow\"", "step_factor_1"),
+    ("fsdp_hook = [1e-3]", "fsdp_hook"),
 ])
 def test_bad_cpu_values_are_clear_errors(tmp_path, line, words):
     """A [cpu] table with a negative, non-numeric, misshaped, unsorted or unknown value is a ConfigError naming it."""
