@@ -39,21 +39,26 @@ def _step(runner: ModelRunner, seqs: list[Sequence], sizes: list[int]):
     return logits
 
 
+def _steps_match(plain: ModelRunner, fused: ModelRunner, step_sizes: list[list[int]], tol: float) -> None:
+    """Run the first three PROMPTS through both runners step by step (tokens per sequence in each step, then one
+    decode token 5 appended to every sequence); each step's logits of `fused` equal `plain`'s within tol."""
+    seqs = {r: [Sequence(str(i), p, GREEDY, i) for i, p in enumerate(PROMPTS[:3])] for r in ("plain", "fused")}
+    for sizes in step_sizes:
+        want = _step(plain, seqs["plain"], sizes)
+        got = _step(fused, seqs["fused"], sizes)
+        assert got.shape == want.shape == (3, plain.model.cfg.vocab_size)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        for r in seqs.values():  # the next decode token of every sequence
+            for s in r:
+                s.output_ids.append(5)
+
+
 def test_fused_step_logits_equal_the_model_forward():
     model = tiny_model()
     fused_model = copy.deepcopy(model)
     plain, fused = _runner(model, False), _runner(fused_model, True)
     assert plain.fused is None and fused.fused is not None
-    seqs = {r: [Sequence(str(i), p, GREEDY, i) for i, p in enumerate(PROMPTS[:3])] for r in ("plain", "fused")}
-    prompt = [len(p) for p in PROMPTS[:3]]
-    for sizes in (prompt, [1, 1, 1]):
-        want = _step(plain, seqs["plain"], sizes)
-        got = _step(fused, seqs["fused"], sizes)
-        assert got.shape == (3, model.cfg.vocab_size)
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-        for r in seqs.values():  # the next decode token of every sequence
-            for s in r:
-                s.output_ids.append(5)
+    _steps_match(plain, fused, [[len(p) for p in PROMPTS[:3]], [1, 1, 1]], 1e-10)
     torch.testing.assert_close(fused.pool.keys, plain.pool.keys, rtol=1e-10, atol=1e-10)
 
 

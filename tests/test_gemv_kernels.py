@@ -17,9 +17,8 @@ from fourfold.infer.fused_decoder import FusedDecoder, can_fuse
 from fourfold.quant.qat import ptq
 from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.model_runner import ModelRunner
-from fourfold.infer.sequence import Sequence
-from tests.engine_helpers import GREEDY, tiny_model
-from tests.test_engine_fused import PROMPTS, _step
+from tests.engine_helpers import tiny_model
+from tests.test_engine_fused import PROMPTS, _steps_match
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(
@@ -72,14 +71,7 @@ def test_fused_int4_step_logits_equal_the_converted_model_forward():
     fused_model = copy.deepcopy(model)
     plain, fused = _runner(model, False), _runner(fused_model, True)
     assert plain.fused is None and fused.fused is not None
-    seqs = {r: [Sequence(str(i), p, GREEDY, i) for i, p in enumerate(PROMPTS[:3])] for r in ("plain", "fused")}
-    for sizes in ([len(p) for p in PROMPTS[:3]], [1, 1, 1]):
-        want = _step(plain, seqs["plain"], sizes)
-        got = _step(fused, seqs["fused"], sizes)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        for r in seqs.values():
-            for s in r:
-                s.output_ids.append(5)
+    _steps_match(plain, fused, [[len(p) for p in PROMPTS[:3]], [1, 1, 1]], 1e-5)
 
 
 @needs_kernels
@@ -98,12 +90,5 @@ def test_int4_decode_with_norms_in_the_gemvs_equals_the_converted_model_forward(
     calls = []
     original = fused_decoder.FusedDecoder._int4_decode
     monkeypatch.setattr(fused_decoder.FusedDecoder, "_int4_decode", lambda *a: calls.append(1) or original(*a))
-    seqs = {r: [Sequence(str(i), p, GREEDY, i) for i, p in enumerate(PROMPTS[:3])] for r in ("plain", "fused")}
-    for sizes in ([len(p) for p in PROMPTS[:3]], [1, 1, 1], [1, 1, 1]):
-        want = _step(plain, seqs["plain"], sizes)
-        got = _step(fused, seqs["fused"], sizes)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for r in seqs.values():
-            for s in r:
-                s.output_ids.append(5)
+    _steps_match(plain, fused, [[len(p) for p in PROMPTS[:3]], [1, 1, 1], [1, 1, 1]], 1e-4)
     assert len(calls) == 2   # the two decode steps, not the prefill
