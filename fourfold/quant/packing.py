@@ -39,6 +39,7 @@ from torch import nn
 from fourfold.errors import ConfigError
 from fourfold.quant import int4_gemm
 from fourfold.quant import int4_gemv as gemv
+from fourfold.quant import int4_mma
 from fourfold.quant.fake_quant import fake_quantize_activation, quantize_weight
 from fourfold.quant.schemes import QuantScheme, check_group_divides
 
@@ -103,6 +104,7 @@ class Int4WeightLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self._kernel_cache: dict = {}
         self._planes_cache: dict = {}
+        self._mma_cache: dict = {}
 
     @classmethod
     def from_float(cls, linear: nn.Linear, scheme: QuantScheme, name: str = "linear") -> "Int4WeightLinear":
@@ -130,15 +132,36 @@ class Int4WeightLinear(nn.Module):
             self._planes_cache = {key: gemv.repack_planes(self.weight_int4, self.scheme.group_size)}
         return self._planes_cache[key]
 
+    def mma_words(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The nibbles and scales repacked for fourfold.quant.int4_mma, made once per weight buffer."""
+        key = (self.weight_int4.device, self.weight_int4.data_ptr(), self.scales.data_ptr())
+        if key not in self._mma_cache:
+            self._mma_cache = {key: (int4_mma.repack_mma(self.weight_int4),
+                                     int4_mma.scale_words(self.scales, self.zero_points))}
+        return self._mma_cache[key]
+
+    def _uses_mma(self, x: torch.Tensor) -> bool:
+        return (int4_mma.supports(x, self.scales, self.in_features, self.out_features)
+                and (self.bias is None or self.bias.dtype == torch.bfloat16))
+
     def uses_gemv(self, x: torch.Tensor) -> bool:
-        """Whether x (.., K) runs the Triton int4 GEMV (CUDA, at most int4_gemv.MAX_ROWS rows) rather than torch's mm."""
+        """Whether x (.., K) runs a decode GEMV with its fusions: the tensor-core one (fourfold.quant.int4_mma, up
+        to 8 rows where it runs) or the Triton one (CUDA, at most int4_gemv.MAX_ROWS rows), not torch's mm."""
         rows = x.numel() // self.in_features if self.in_features else 0
-        return gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS
+        return self._uses_mma(x) or (gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS)
 
     def decode(self, x: torch.Tensor, *, gated: bool = False, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
         """The int4 GEMV (see uses_gemv) with its fusions: `gated` SiLU*mul, `residual` add, `norm_weight`: x is
         RMS-normalised first (fourfold.quant.int4_gemv). x is used as given (no activation fake-quant)."""
+        rows = x.numel() // self.in_features
+        # one row of the gated form: the Triton GEMV is faster (H200 llama-1b: 6.0 vs 6.4 us; the other shapes
+        # 2.5-4.3 us with the mma kernel against 2.5-4.5; bench/int4_mma_check.py)
+        triton_row = gated and rows <= gemv.MAX_ROWS and gemv.available()
+        if self._uses_mma(x) and not triton_row and (norm_weight is None or norm_weight.dtype == torch.bfloat16):
+            words, scale_words = self.mma_words()
+            return int4_mma.int4_mma_gemv(x, words, scale_words, self.scheme.group_size, self.bias, gated=gated,
+                                          residual=residual, norm_weight=norm_weight, eps=eps)
         return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size, self.bias,
                               gated=gated, asym=not self.scheme.symmetric, words=self.planes(), residual=residual,
                               norm_weight=norm_weight, eps=eps)

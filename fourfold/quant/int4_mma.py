@@ -1,0 +1,152 @@
+"""Tensor-core int4 weight-only GEMV for decode steps of 1-8 token rows (CUDA C++ via NVRTC, bf16 activations).
+
+    words = repack_mma(weight_int4)                      # once per weight: int32 [N/16, K/8 * 16] in fragment order
+    sw = scale_words(scales, zero_points)                # once per weight: int32 [N, K/G]
+    y = int4_mma_gemv(x, words, sw, group_size)          # x (M <= 8, K) bf16 -> (M, N)
+    # the fusions of fourfold.quant.int4_gemv: gated=True, residual=r, norm_weight=w (+ eps), bias=b
+
+Why CUDA C++: the weights go through the tensor cores (mma.m16n8k16, bf16 in, float32 sums), which needs the
+weight's 4 bits to land directly in the operand registers: a layout Triton's dot cannot be told about. The
+token rows are the mma's 8 columns, so 8 rows cost about what one does (H200, llama-1b: a layer's four GEMVs
+18.3 us at 8 rows and 15.8 at 1, sums of kernel times), where the Triton GEMV runs a program per row and 2-8 rows went to
+torch's int4 mm. At one row it is 0.1-0.6 us faster a GEMV than the Triton one. Not because of its ~4x fewer
+instructions per weight (a first version with them was no faster): what counts at decode is the latency of
+each kernel's chain (wait for the previous kernel, read x, sum, reduce across warps, epilogue), so x is read in
+16-byte pieces, the mma sums run as two independent chains and the residual is read as soon as the wait ends.
+
+Layout (`repack_mma`, from the stored uint8 [N, K/2] nibbles of fourfold.quant.packing). The mma sums over
+its 16 k slots in any order, so each lane's slots are mapped to x elements it can load in two 16-byte reads:
+in 64-wide K quad q, lane l = 4g + t holds x[64q + 8t ..+8] and x[64q + 32 + 8t ..+8], k-step j (0..3) taking
+4 of them (j < 2 from the first read, so each k-step stays inside one 32-wide half: groups of 32 work). For
+16-row block b, one int32 word holds the 8 weights lane l feeds the A operand at k-step j: nibble p (bits
+4p..4p+3) is row 16b + g + 8*(p & 1), column 64q + 32*(j >> 1) + 8t + 4*(j & 1) + 2*((p >> 1) & 1) + (p >> 2).
+Then `word >> 4i` masked with 0x000F000F and OR-ed with 0x43004300 (one LOP3) is fragment register i: the two
+bf16 numbers 128 + u. Words go [block, quad, lane, 4 k-steps], so a lane loads 16 bytes per quad and a warp
+512 contiguous bytes. With u = q + 8 stored and weight (q - z) * s, a group's contribution is
+    s * (sum_k (128 + u_k) x_k - (136 + z) * sum_k x_k),
+the second sum from one more mma with A = ones; `scale_words` packs s (bf16, high half) and 136 + z (low half).
+RMSNorm fused (`norm_weight`): sum(x^2) from X X^T on the tensor cores, x * w rounded to bf16 (the separate
+norm kernel rounds the normed row too) and rstd applied to the finished sums.
+One block of WARPS warps owns 16 output rows (gated: the gate rows and their up rows), its warps split K in
+group-aligned ranges and sum through shared memory. Weights and scales are loaded before the kernel waits for
+the previous one (programmatic dependent launch on Hopper). Needs cuda-bindings (fourfold.ops.nvrtc_launch),
+bf16 scales, K a multiple of 64 and N of 16; otherwise callers keep the Triton GEMV.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from fourfold.ops import nvrtc_launch
+from fourfold.ops.triton_launch import pdl
+
+MAX_ROWS = 8
+"""Token rows one call takes: the mma's 8 columns."""
+
+MAX_OUT_FEATURES = 12288
+"""Wider weights (an output head) keep the other kernels: every weight of a block is loaded before its first mma,
+so a weight of many 16-row blocks runs in many waves (H200, llama-1b's 32000-row int4 head at one row: a
+0.606 against 0.526 ms decode step). The sweep covered up to 11264 rows (llama-1b's gate|up)."""
+
+ENABLED = os.environ.get("FOURFOLD_INT4_MMA") != "0"
+"""FOURFOLD_INT4_MMA=0 at import keeps every int4 decode step on the Triton GEMV (A/B)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _source() -> str:
+    with open(os.path.join(os.path.dirname(__file__), "int4_mma_gemv.cu")) as f:
+        return f.read()
+
+
+def supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int) -> bool:
+    """Whether this kernel can run x (.., K) against an int4 weight with these scales on x's device."""
+    rows = x.numel() // in_features if in_features else 0
+    return (ENABLED and nvrtc_launch.available() and x.is_cuda and x.dtype == torch.bfloat16
+            and scales.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and in_features % 64 == 0
+            and out_features % 16 == 0 and out_features <= MAX_OUT_FEATURES
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def repack_mma(weight_int4: torch.Tensor) -> torch.Tensor:
+    """The stored uint8 [N, K/2] nibbles (element 2j high) as int32 words in mma fragment order (module docstring)."""
+    n, k = weight_int4.shape[0], weight_int4.shape[1] * 2
+    if n % 16 or k % 64:
+        raise ValueError(f"the int4 mma layout needs rows a multiple of 16 and columns of 64, got {n} x {k}")
+    p = weight_int4.to(torch.int64)
+    u = torch.stack([p >> 4, p & 0xF], dim=-1).reshape(n, k)
+    # row = 16 b + 8 rh + g; k = 64 q + 32 jh + 8 t + 4 jl + 2 kh + kl (k-step j = 2 jh + jl);
+    # nibble p = rh + 2 kh + 4 kl
+    u = u.reshape(n // 16, 2, 8, k // 64, 2, 4, 2, 2, 2)       # b, rh, g, q, jh, t, jl, kh, kl
+    u = u.permute(0, 3, 2, 5, 4, 6, 8, 7, 1)                    # b, q, g, t, jh, jl, kl, kh, rh
+    u = u.reshape(n // 16, k // 64, 32, 4, 8)
+    shifts = 4 * torch.arange(8, device=u.device)
+    words = (u << shifts).sum(dim=-1)                            # 0 .. 2^32 - 1
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+    return words.reshape(n // 16, k // 64 * 128).to(torch.int32).contiguous()
+
+
+def unpack_mma(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of repack_mma: uint8 [N, K] of the values 0..15 in row and k order."""
+    w = words.to(torch.int64).reshape(n // 16, k // 64, 32, 4, 1)
+    u = (w >> (4 * torch.arange(8, device=w.device))) & 0xF      # b, q, lane, j, p
+    u = u.reshape(n // 16, k // 64, 8, 4, 2, 2, 2, 2, 2)        # b, q, g, t, jh, jl, kl, kh, rh
+    u = u.permute(0, 8, 2, 1, 4, 3, 5, 7, 6)                     # b, rh, g, q, jh, t, jl, kh, kl
+    return u.reshape(n, k).to(torch.uint8)
+
+
+def scale_words(scales: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K/G]: the bf16 scale's bits in the high half, 136 + zero point in the low half."""
+    if scales.dtype != torch.bfloat16:
+        raise ValueError(f"the int4 mma kernel takes bf16 scales, got {scales.dtype}")
+    high = scales.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    low = zero_points.to(torch.int64) + 136
+    words = (high << 16) | low
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+    return words.to(torch.int32).contiguous()
+
+
+def config(k: int, group_size: int, gated: bool = False, warps: int | None = None) -> tuple[int, int]:
+    """(WARPS, MAXQ): warps per block (they split K) and the most 64-wide quads one warp takes. Block sizes from
+    bench/int4_mma_check.py's sweep on an H200 (llama-1b, 1 and 8 rows): 16 warps, 8 for the gated form."""
+    warps = warps or (8 if gated else 16)
+    unit = max(1, group_size // 64)
+    units = k // 64 // unit
+    return warps, -(-units // warps) * unit
+
+
+def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tensor, group_size: int,
+                  bias: torch.Tensor | None = None, gated: bool = False, residual: torch.Tensor | None = None,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-5,
+                  launch_config: tuple[int, int] | None = None) -> torch.Tensor:
+    """x (.., K) bf16 @ dequant(W).T + bias; `gated`: silu(first half of the rows) * second half; `residual`:
+    added (rounded as an eager residual add); `norm_weight`: x RMS-normalised (eps) and scaled by it first."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:   # the kernel reads x in 16-byte pieces
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    if norm_weight is not None and norm_weight.data_ptr() % 16:
+        norm_weight = norm_weight.clone()
+    rows, n_total = x2.shape[0], words.shape[0] * 16
+    n = n_total // 2 if gated else n_total
+    assert rows <= MAX_ROWS and k % 64 == 0 and words.shape[1] == k // 64 * 128 and n % 16 == 0
+    assert scale_words_.shape == (n_total, k // group_size) and scale_words_.is_contiguous()
+    out = torch.empty(rows, n, device=x.device, dtype=torch.bfloat16)
+    res = None
+    if residual is not None:
+        res = residual.reshape(rows, n)
+        assert res.stride(-1) == 1 and res.dtype == torch.bfloat16
+    for t in (bias, norm_weight):
+        assert t is None or (t.dtype == torch.bfloat16 and t.is_contiguous())
+    warps, maxq = launch_config or config(k, group_size, gated)
+    use_pdl = pdl(x.device)
+    defines = {"WARPS": warps, "MAXQ": maxq, "GS": group_size // 16, "GATED": int(gated),
+               "NORM": int(norm_weight is not None), "RES": int(res is not None), "BIAS": int(bias is not None),
+               "PDL": int(use_pdl)}
+    kernel = nvrtc_launch.compiled_kernel(_source(), "int4_mma_gemv", defines, x.device)
+    nvrtc_launch.launch(kernel, n // 16, warps * 32,
+                        [words, scale_words_, x2, norm_weight, bias, res, out, rows, k, n, x2.stride(0),
+                         res.stride(0) if res is not None else 0, out.stride(0), float(eps)], x.device, pdl=use_pdl)
+    return out.reshape(*x.shape[:-1], n)

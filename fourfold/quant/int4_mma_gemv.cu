@@ -1,0 +1,302 @@
+// Tensor-core int4 weight-only GEMV for decode steps of up to 8 token rows (compiled at run time by NVRTC:
+// fourfold/quant/int4_mma.py, which documents the weight layout and the arithmetic).
+//
+// Compile-time settings (-D): WARPS (warps of a block, which split K), MAXQ (most 64-wide K quads a warp
+// takes), GS (16-wide k-steps per quantization group), GATED, NORM, RES, BIAS, PDL (0/1 each).
+// One block owns one 16-row block of the output (GATED: the gate rows and the matching up rows). Each warp
+// runs mma.m16n8k16 (bf16 in, float32 sums) over its K range: the A operand is the weight, whose 8 nibbles per
+// lane and k-step sit in one 32-bit word in fragment order, so each bf16x2 register is one LOP3 (nibble u
+// becomes the bf16 128 + u); the B operand is x, token rows as the 8 columns. A second mma with A = ones gives
+// sum(x) per group, which removes the 128 + 8 + zero-point offset when a group's scale is applied.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define ONES 0x3F803F80u   // two bf16 1.0
+
+// Loads issued before griddepcontrol.wait must stay there: as volatile asm the compiler cannot sink them past it
+__device__ __forceinline__ uint4 load_early_v4(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u32 load_early(const void* p) {
+    u32 r;
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u32 nibble_pair(u32 v) {
+    // (v & 0x000F000F) | 0x43004300: bf16 values 128 + (bits 0..3) and 128 + (bits 16..19)
+    u32 r;
+    asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(r) : "r"(v));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {   // rounded to nearest, as a bf16 multiply
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+}
+
+__device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 float_to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+__device__ __forceinline__ float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+__device__ __forceinline__ void flush_group(float* tot, const float (*acc)[4], const float (*xs)[4], u32 sc_lo,
+                                            u32 sc_hi) {
+    // scale words: bf16 scale in the high half, 136 + zero point in the low half (rows g and g + 8)
+    const float s0 = __uint_as_float(sc_lo & 0xFFFF0000u), c0 = (float)(sc_lo & 0xFFFFu);
+    const float s1 = __uint_as_float(sc_hi & 0xFFFF0000u), c1 = (float)(sc_hi & 0xFFFFu);
+    float a[4], x[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        a[e] = acc[0][e] + acc[1][e];
+        x[e] = xs[0][e] + xs[1][e];
+    }
+    tot[0] += s0 * (a[0] - c0 * x[0]);
+    tot[1] += s0 * (a[1] - c0 * x[1]);
+    tot[2] += s1 * (a[2] - c1 * x[2]);
+    tot[3] += s1 * (a[3] - c1 * x[3]);
+}
+
+#define MAXG ((MAXQ * 4 + GS - 1) / GS)
+#define NRED (4 + 4 * GATED + 2 * NORM)
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_words, const u16* x,
+              const u16* __restrict__ norm_weight, const u16* __restrict__ bias, const u16* res, u16* out,
+              int m, int k, int up_rows, int stride_x, int stride_res, int stride_out, float eps) {
+#if PDL
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int rb = blockIdx.x;
+    const int quads = k >> 6, groups = k / (GS * 16);
+    const int unit = GS > 4 ? GS / 4 : 1;                      // quads per group-aligned unit
+    const int units = quads / unit;
+    const int q0 = (warp * units / WARPS) * unit, nq = ((warp + 1) * units / WARPS) * unit - q0;
+    const int grp0 = q0 * 4 / GS, ngrp = nq * 4 / GS;
+    const int row0 = rb * 16 + g, row1 = row0 + 8;
+
+    // everything that does not depend on the previous kernel is loaded before waiting for it
+    uint4 wg[MAXQ];
+    u32 sg0[MAXG], sg1[MAXG];
+#if GATED
+    uint4 wu[MAXQ];
+    u32 su0[MAXG], su1[MAXG];
+    const int rbu = rb + up_rows / 16;
+#endif
+#pragma unroll
+    for (int i = 0; i < MAXQ; ++i) {
+        if (i < nq) {
+            wg[i] = load_early_v4(words + ((size_t)rb * quads + q0 + i) * 32 + lane);
+#if GATED
+            wu[i] = load_early_v4(words + ((size_t)rbu * quads + q0 + i) * 32 + lane);
+#endif
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MAXG; ++i) {
+        if (i < ngrp) {
+            sg0[i] = load_early(scale_words + (size_t)row0 * groups + grp0 + i);
+            sg1[i] = load_early(scale_words + (size_t)row1 * groups + grp0 + i);
+#if GATED
+            su0[i] = load_early(scale_words + (size_t)(row0 + up_rows) * groups + grp0 + i);
+            su1[i] = load_early(scale_words + (size_t)(row1 + up_rows) * groups + grp0 + i);
+#endif
+        }
+    }
+#if NORM
+    uint4 nwq[MAXQ][2];   // the norm weight at the lane's x positions (below)
+#pragma unroll
+    for (int i = 0; i < MAXQ; ++i) {
+        if (i < nq) {
+            const u16* p = norm_weight + (q0 + i) * 64 + 8 * t;
+            nwq[i][0] = load_early_v4((const uint4*)p);
+            nwq[i][1] = load_early_v4((const uint4*)(p + 32));
+        }
+    }
+#endif
+#if BIAS
+    float bias_v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bias_v[e] = bf16_to_float(bias[e < 2 ? row0 : row1]);
+#if GATED
+    float bias_u[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bias_u[e] = bf16_to_float(bias[(e < 2 ? row0 : row1) + up_rows]);
+#endif
+#endif
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+
+    // B fragments of token row g (zero past m): per 64-wide quad the lane holds x[8t .. 8t + 7] and
+    // x[32 + 8t .. 32 + 8t + 7] (two 16-byte loads); k-step j takes 4 of them, the weight layout matching
+    u32 xb[MAXQ * 4][2];
+#pragma unroll
+    for (int i = 0; i < MAXQ; ++i) {
+        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+        if (i < nq && g < m) {
+            const u16* p = x + (size_t)g * stride_x + (q0 + i) * 64 + 8 * t;
+            lo = *(const uint4*)p;
+            hi = *(const uint4*)(p + 32);
+        }
+        xb[i * 4 + 0][0] = lo.x; xb[i * 4 + 0][1] = lo.y; xb[i * 4 + 1][0] = lo.z; xb[i * 4 + 1][1] = lo.w;
+        xb[i * 4 + 2][0] = hi.x; xb[i * 4 + 2][1] = hi.y; xb[i * 4 + 3][0] = hi.z; xb[i * 4 + 3][1] = hi.w;
+    }
+#if RES
+    float res_v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (warp == 0) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = 2 * t + (e & 1);
+            if (col < m) res_v[e] = bf16_to_float(res[(size_t)col * stride_res + (e < 2 ? row0 : row1)]);
+        }
+    }
+#endif
+#if NORM
+    // squares of x per token: X X^T's diagonal (A = x rows as a 16-row tile whose rows 8..15 are zero)
+    float sq[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < MAXQ; ++i) {
+        if (i < nq) {
+            const u32 nw[8] = {nwq[i][0].x, nwq[i][0].y, nwq[i][0].z, nwq[i][0].w,
+                               nwq[i][1].x, nwq[i][1].y, nwq[i][1].z, nwq[i][1].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32* b = xb[i * 4 + j];
+                mma_bf16(sq, b[0], 0u, b[1], 0u, b[0], b[1]);
+                b[0] = mul_bf16x2(b[0], nw[2 * j]);
+                b[1] = mul_bf16x2(b[1], nw[2 * j + 1]);
+            }
+        }
+    }
+#endif
+
+    // two chains of mma sums (even and odd k-steps) so consecutive mmas do not wait for each other
+    float tot[4] = {0.f, 0.f, 0.f, 0.f}, acc[2][4], xs[2][4];
+#if GATED
+    float totu[4] = {0.f, 0.f, 0.f, 0.f}, accu[2][4];
+#endif
+#pragma unroll
+    for (int i = 0; i < MAXQ; ++i) {
+        if (i < nq) {
+            const u32 wq[4] = {wg[i].x, wg[i].y, wg[i].z, wg[i].w};
+#if GATED
+            const u32 uq[4] = {wu[i].x, wu[i].y, wu[i].z, wu[i].w};
+#endif
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int step = i * 4 + j;   // k-step within the warp's range (which starts on a group)
+                if (step % GS == 0) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            acc[c][e] = 0.f;
+                            xs[c][e] = 0.f;
+#if GATED
+                            accu[c][e] = 0.f;
+#endif
+                        }
+                    }
+                }
+                const u32* b = xb[step];
+                const u32 w = wq[j];
+                mma_bf16(acc[j & 1], nibble_pair(w), nibble_pair(w >> 4), nibble_pair(w >> 8),
+                         nibble_pair(w >> 12), b[0], b[1]);
+                mma_bf16(xs[j & 1], ONES, ONES, ONES, ONES, b[0], b[1]);
+#if GATED
+                const u32 v = uq[j];
+                mma_bf16(accu[j & 1], nibble_pair(v), nibble_pair(v >> 4), nibble_pair(v >> 8),
+                         nibble_pair(v >> 12), b[0], b[1]);
+#endif
+                if ((step + 1) % GS == 0) {
+                    flush_group(tot, acc, xs, sg0[step / GS], sg1[step / GS]);
+#if GATED
+                    flush_group(totu, accu, xs, su0[step / GS], su1[step / GS]);
+#endif
+                }
+            }
+        }
+    }
+
+    // sum the warps' partial results: red[value][warp][lane]
+    __shared__ float red[NRED][WARPS][32];
+    red[0][warp][lane] = tot[0];
+    red[1][warp][lane] = tot[1];
+    red[2][warp][lane] = tot[2];
+    red[3][warp][lane] = tot[3];
+#if GATED
+    red[4][warp][lane] = totu[0];
+    red[5][warp][lane] = totu[1];
+    red[6][warp][lane] = totu[2];
+    red[7][warp][lane] = totu[3];
+#endif
+#if NORM
+    red[4 + 4 * GATED][warp][lane] = sq[0];
+    red[5 + 4 * GATED][warp][lane] = sq[1];
+#endif
+    __syncthreads();
+    if (warp != 0) return;
+    float v[NRED];
+#pragma unroll
+    for (int e = 0; e < NRED; ++e) {
+        float s = 0.f;
+#pragma unroll
+        for (int w2 = 0; w2 < WARPS; ++w2) s += red[e][w2][lane];
+        v[e] = s;
+    }
+#if NORM
+    // token c's sum of squares is element (c, c): lane 4c + c/2, register c % 2
+    const float sq_even = __shfl_sync(0xFFFFFFFFu, v[4 + 4 * GATED], 9 * t);
+    const float sq_odd = __shfl_sync(0xFFFFFFFFu, v[5 + 4 * GATED], 9 * t + 4);
+    const float rstd[2] = {rsqrtf(sq_even / k + eps), rsqrtf(sq_odd / k + eps)};
+#endif
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int col = 2 * t + (e & 1);          // token row
+        const int row = (e < 2) ? row0 : row1;   // output feature
+        if (col >= m) continue;
+        float y = v[e];
+#if NORM
+        y *= rstd[e & 1];
+#endif
+#if BIAS
+        y += bias_v[e];
+#endif
+#if GATED
+        float up = v[4 + e];
+#if NORM
+        up *= rstd[e & 1];
+#endif
+#if BIAS
+        up += bias_u[e];
+#endif
+        // silu(gate) * up, rounded where the eager SwiGLU rounds (each matmul output, the silu, the product)
+        const float gr = round_bf16(y);
+        y = round_bf16(gr / (1.f + __expf(-gr))) * round_bf16(up);
+#endif
+#if RES
+        y = round_bf16(y) + res_v[e];
+#endif
+        out[(size_t)col * stride_out + row] = float_to_bf16(y);
+    }
+}

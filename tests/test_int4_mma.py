@@ -1,0 +1,121 @@
+"""The tensor-core int4 GEMV's weight layout and scale words (fourfold.quant.int4_mma), checked on CPU by playing
+the mma's fragment rules over the packed words; the kernel itself runs where CUDA and cuda-bindings are."""
+
+import pytest
+import torch
+
+from fourfold.ops import nvrtc_launch
+from fourfold.quant import int4_mma
+from fourfold.quant.fake_quant import dequantize_weight, quantize_weight
+from fourfold.quant.packing import Int4WeightLinear, pack_int4
+from fourfold.quant.schemes import scheme_by_name
+
+
+def _bf16_pair(reg: int) -> tuple[float, float]:
+    """The two bf16 numbers of a 32-bit register (low half first), as floats."""
+    t = torch.tensor([reg & 0xFFFF, reg >> 16], dtype=torch.int32) << 16
+    return tuple(t.view(torch.float32).tolist())
+
+
+def _emulated_gemv(words: torch.Tensor, sw: torch.Tensor, x: torch.Tensor, n: int, group: int) -> torch.Tensor:
+    """y = x @ W.T computed the kernel's way: per lane and k-step, the LOP3 registers as the mma's A fragment,
+    x at the lane's slots as B, the m16n8k16 fragment rules, then each group's s * (sum - (136 + z) * sum x)."""
+    m, k = x.shape
+    w = words.to(torch.int64).reshape(n // 16, k // 64, 32, 4) & 0xFFFFFFFF
+    v = sw.to(torch.int64) & 0xFFFFFFFF
+    scale = ((v >> 16) << 16).to(torch.int32).view(torch.float32).double()
+    offset = (v & 0xFFFF).double()
+    y = torch.zeros(m, n, dtype=torch.float64)
+    for b in range(n // 16):
+        for q in range(k // 64):
+            for j in range(4):
+                dot = torch.zeros(16, m, dtype=torch.float64)    # D rows (weight rows) x columns (tokens)
+                xsum = torch.zeros(m, dtype=torch.float64)
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    word = int(w[b, q, lane, j])
+                    regs = [_bf16_pair(((word >> (4 * i)) & 0x000F000F) | 0x43004300) for i in range(4)]
+                    base = 64 * q + 32 * (j >> 1) + 8 * t + 4 * (j & 1)   # b0: x[base, base+1], b1: x[base+2, +3]
+                    for kl in range(2):
+                        # A: reg0 (row g, slot 2t+kl), reg1 (row g+8, 2t+kl), reg2 (g, 2t+8+kl), reg3 (g+8, 2t+8+kl)
+                        for reg, row, xk in ((0, g, base + kl), (1, g + 8, base + kl),
+                                             (2, g, base + 2 + kl), (3, g + 8, base + 2 + kl)):
+                            dot[row] += regs[reg][kl] * x[:, xk].double()
+                        if g == 0:
+                            xsum += x[:, base + kl].double() + x[:, base + 2 + kl].double()
+                grp = (64 * q + 32 * (j >> 1)) // group
+                rows = torch.arange(16 * b, 16 * b + 16)
+                y[:, rows] += (scale[rows, grp, None] * (dot - offset[rows, grp, None] * xsum[None, :])).T
+    return y
+
+
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g64-asym", "int4-g128"])
+def test_fragment_emulation_matches_the_dequantized_matmul(scheme):
+    torch.manual_seed(0)
+    n, k, m = 32, 128, 3
+    s = scheme_by_name(scheme)
+    weight = torch.randn(n, k, dtype=torch.bfloat16)
+    q, scales, zeros = quantize_weight(weight, s)
+    words = int4_mma.repack_mma(pack_int4((q.to(torch.int16) + 8)))
+    sw = int4_mma.scale_words(scales.to(torch.bfloat16), zeros)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    ref = x.double() @ dequantize_weight(q, scales, zeros, s).double().T
+    got = _emulated_gemv(words, sw, x, n, s.group_size)
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_repack_round_trips_and_places_each_nibble():
+    torch.manual_seed(1)
+    u = torch.randint(0, 16, (48, 192), dtype=torch.uint8)
+    words = int4_mma.repack_mma(pack_int4(u))
+    assert words.shape == (3, 3 * 128) and words.dtype == torch.int32
+    assert torch.equal(int4_mma.unpack_mma(words, 48, 192), u)
+    word = int(words.view(3, 3, 32, 4)[2, 1, 4 * 5 + 3, 2]) & 0xFFFFFFFF    # block 2, quad 1, g 5, t 3, k-step 2
+    for p in range(8):
+        row = 32 + 5 + 8 * (p & 1)
+        col = 64 + 32 + 8 * 3 + 2 * ((p >> 1) & 1) + (p >> 2)
+        assert (word >> (4 * p)) & 0xF == u[row, col]
+
+
+def test_scale_words_hold_the_bf16_scale_and_the_offset():
+    scales = torch.tensor([[0.0123, 3.5], [-0.25, 1e-3]]).to(torch.bfloat16)
+    zeros = torch.tensor([[0, -8], [7, 3]], dtype=torch.int8)
+    v = int4_mma.scale_words(scales, zeros).to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(((v >> 16) << 16).to(torch.int32).view(torch.float32), scales.float())
+    assert torch.equal((v & 0xFFFF) - 136, zeros.to(torch.int64))
+    with pytest.raises(ValueError, match="bf16 scales"):
+        int4_mma.scale_words(scales.float(), zeros)
+
+
+def test_bad_shapes_and_unsupported_inputs():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        int4_mma.repack_mma(torch.zeros(24, 64, dtype=torch.uint8))
+    scales = torch.ones(32, 1, dtype=torch.bfloat16)
+    assert not int4_mma.supports(torch.zeros(1, 128, dtype=torch.bfloat16), scales, 128, 32)     # CPU tensor
+    assert int4_mma.config(2048, 128) == (16, 2) and int4_mma.config(5632, 128, gated=False) == (16, 6)
+    assert int4_mma.config(2048, 128, gated=True) == (8, 4) and int4_mma.config(2048, 256, warps=32) == (32, 4)
+
+
+@pytest.mark.skipif(not nvrtc_launch.available(), reason="needs cuda-bindings (NVRTC)")
+def test_kernel_compiles_for_hopper_without_a_gpu():
+    defines = {"WARPS": 16, "MAXQ": 2, "GS": 8, "GATED": 1, "NORM": 1, "RES": 1, "BIAS": 1, "PDL": 1}
+    try:
+        cubin = nvrtc_launch.compile_cubin(int4_mma._source(), "int4_mma_gemv", defines, "sm_90")
+    except Exception as e:  # noqa: BLE001 - cuda-bindings without the NVRTC library
+        pytest.skip(f"NVRTC unavailable: {e}")
+    assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and nvrtc_launch.available()), reason="needs CUDA + cuda-bindings")
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_kernel_matches_the_dequantized_matmul_on_gpu(rows):
+    torch.manual_seed(2)
+    s = scheme_by_name("int4-g128-asym")
+    lin = torch.nn.Linear(1024, 256, bias=False, device="cuda", dtype=torch.bfloat16)
+    mod = Int4WeightLinear.from_float(lin, s).cuda()
+    q, scales, zeros = quantize_weight(lin.weight, s)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ dequantize_weight(q, scales, zeros, s).float().T + r.float()
+    y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, residual=r)
+    assert (y.float() - ref).norm() / ref.norm() < 1e-2
