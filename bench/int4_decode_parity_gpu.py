@@ -10,7 +10,8 @@ for the prompt rows) and (b) as one decode step in a captured CUDA graph of the 
 decoder: fourfold's int4 GEMV with the norms and residual adds fused, the two-kernel decode attention), at
 batch 1 and --prompts. Both are compared with the float32 twin: max abs logit error and argmax agreement.
 The decode path passes when its error is within 1.5x of the eager converted model's (both are bf16 roundings
-of the same function) and its argmax agrees as often. Writes int4_parity.json; exit code 1 on a failure.
+of the same function) and its argmax agrees wherever the float32 top token leads the picked one by more than
+twice the eager model's error (closer calls are ties at bf16 precision; their gaps are written out). Writes int4_parity.json; exit code 1 on a failure.
 """
 
 from __future__ import annotations
@@ -46,8 +47,13 @@ def dequantized_twin(reference: torch.nn.Module, converted: torch.nn.Module) -> 
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Max abs logit error, argmax agreement, and for each disagreement the float32 logit gap between its
+    own top token and the one picked (a near tie when under the bf16 paths' error)."""
+    picked, best = got.argmax(-1), ref.argmax(-1)
+    rows = torch.nonzero(picked != best).flatten()
+    gaps = (ref[rows, best[rows]] - ref[rows, picked[rows]]).tolist()
     return {"max_abs_err_vs_fp32": (got - ref).abs().max().item(),
-            "argmax_equal_fp32": int((got.argmax(-1) == ref.argmax(-1)).sum()), "of": len(ref)}
+            "argmax_equal_fp32": int((picked == best).sum()), "of": len(ref), "fp32_gap_of_disagreements": gaps}
 
 
 def main() -> int:
@@ -84,8 +90,10 @@ def main() -> int:
         got = decode_step_logits(model, prompts[:batch])
         row = compare(got, ref[:batch])
         eager_row = compare(eager[:batch], ref[:batch])
+        # argmax may differ only on near ties: float32 gaps under twice the eager converted model's error
+        tie = 2 * eager_row["max_abs_err_vs_fp32"]
         row["ok"] = (row["max_abs_err_vs_fp32"] <= 1.5 * eager_row["max_abs_err_vs_fp32"]
-                     and row["argmax_equal_fp32"] >= eager_row["argmax_equal_fp32"])
+                     and all(gap <= tie for gap in row["fp32_gap_of_disagreements"]))
         failed += not row["ok"]
         result[f"decode_graph_b{batch}"] = row
     with open(os.path.join(args.out, "int4_parity.json"), "w") as f:
