@@ -7,8 +7,8 @@ and against the Triton GEMV (fourfold.quant.int4_gemv, FOURFOLD_INT4_MMA off): l
 32/64/128/256, symmetric and asymmetric, 1/2/3/8 token rows, plain, bias, residual, RMSNorm-prologue and gated
 forms. 2. Per-kernel time of each llama-1b shape at 1 and 8 rows, both kernels (the mma one also at 4/8/16/32
 warps a block), each in a CUDA graph over 12 copies of the weight (more than L2 holds). 3. One decoder layer's
-matmuls and norms as the engine runs them (fused_decoder.INT4_FUSED_NORMS) with each kernel. Writes
-int4_mma_check.json.
+matmuls and norms as the engine runs them (fused_decoder.INT4_FUSED_NORMS) with each kernel, and with the mma
+kernels' block sizes swept in that chain (int4_mma.config's defaults come from it). Writes int4_mma_check.json.
 """
 
 from __future__ import annotations
@@ -117,6 +117,32 @@ def layer_timing(results: list, layers: int = 12) -> None:
     print(f"fused layer at 1 row: mma {row['mma']:.2f} us, triton {row['triton']:.2f} us "
           f"({row['triton'] / row['mma']:.2f}x)")
     results.append(row)
+    layer_warps(results, mods, nw)
+
+
+def layer_warps(results: list, mods: list, nw: torch.Tensor) -> None:
+    """Block sizes of the q|k|v, o and down kernels timed in the layer's chain (each kernel's neighbours change
+    how much of its wait it hides, so a kernel repeated alone can prefer another size); gate|up as the engine
+    runs it (Triton at one row, the mma kernel at 8)."""
+    def gemv(L, name, x, warps, **kw):
+        k = SHAPES[name][1]
+        return int4_mma.int4_mma_gemv(x, *L[name].mma_words(), 128, launch_config=int4_mma.config(k, 128, warps=warps),
+                                      **kw)
+
+    def layer(L, x, att, w_qkv, w_o, w_down):
+        gemv(L, "qkv", x, w_qkv, norm_weight=nw)
+        h = gemv(L, "o", att, w_o, residual=x)
+        return gemv(L, "down", L["gate_up"].decode(h, gated=True, norm_weight=nw), w_down, residual=h)
+
+    for rows in (1, 8):
+        x = torch.randn(rows, DIM, device=DEV, dtype=torch.bfloat16)
+        att = torch.randn(rows, DIM, device=DEV, dtype=torch.bfloat16)
+        row = {"rows": rows, "default": graph_us([lambda L=L: layer(L, x, att, None, None, None) for L in mods])}
+        for ws in ((16, 16, 16), (8, 8, 16), (8, 8, 8), (4, 4, 16)):
+            row["warps q|k|v %d, o %d, down %d" % ws] = graph_us([lambda L=L: layer(L, x, att, *ws) for L in mods])
+        results.append(row)
+        print(f"layer at {rows} rows by block size: " + ", ".join(f"{lb} {us:.2f} us" for lb, us in row.items()
+                                                                  if lb != "rows"))
 
 
 def main() -> int:
