@@ -79,9 +79,11 @@ def compiled_kernel(source: str, name: str, defines: dict[str, int], device: tor
     return _kernel(source, name, tuple(sorted(defines.items())), index)[0]
 
 
-def launch(kernel, grid: int, block: int, args: list, device: torch.device, pdl: bool = False) -> None:
+def launch(kernel, grid: int, block: int, args: list, device: torch.device, pdl: bool = False,
+           shared_bytes: int = 0) -> None:
     """Launch `kernel` on torch's current stream of `device`: tensors (or None) go as pointers, Python ints as
-    32-bit ints, floats as 32-bit floats; `pdl` sets programmatic stream serialization (Hopper and newer)."""
+    32-bit ints, floats as 32-bit floats; `pdl` sets programmatic stream serialization (Hopper and newer);
+    `shared_bytes` of dynamic shared memory (above 48 KiB the kernel is opted in first)."""
     values = []
     for a in args:
         if a is None or isinstance(a, torch.Tensor):
@@ -96,7 +98,11 @@ def launch(kernel, grid: int, block: int, args: list, device: torch.device, pdl:
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-    config.sharedMemBytes = 0
+    config.sharedMemBytes = shared_bytes
+    if shared_bytes > 48 * 1024:
+        _check(driver.cuFuncSetAttribute(
+            kernel, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
+            "cuFuncSetAttribute")
     config.hStream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
     if pdl:
         attr = driver.CUlaunchAttribute()
