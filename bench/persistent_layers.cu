@@ -12,7 +12,7 @@
 // variants: FLAG_BARRIER (per-block flag words, else an arrive counter), LITE_BARRIER, STREAM (0: only layer 0's
 // weights are copied, later layers reuse stale slots), MATH (0: no sums), BARRIER_ONLY (phases are barriers).
 // Result on an H200 (docs/benchmarks.md, eighth session): correct, and 1.6x slower than the engine's kernels,
-// because a grid barrier of 132 blocks costs ~2.2 us against ~0.6-1.1 us for a dependent kernel launch.
+// because a grid barrier of 132 blocks costs ~2.1-2.4 us against ~0.6-1.1 us for a dependent kernel launch.
 
 #define WARPS 16
 #define GS 8                      // k-steps of a 128-wide group

@@ -28,13 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gemv_check import graph_us  # noqa: E402
+from gemv_check import graph_us, rel_err  # noqa: E402
 from int4_gemv_check import DEV, DIM, FFN, QKV, module  # noqa: E402
+from int4_mma_check import SHAPES  # noqa: E402
 
 from fourfold.ops import nvrtc_launch  # noqa: E402
 from fourfold.quant import int4_mma  # noqa: E402
 
-SHAPES = {"qkv": (QKV, DIM), "o": (DIM, DIM), "gate_up": (2 * FFN, DIM), "down": (DIM, FFN)}
 EPS = 1e-5
 VARIANTS = {"flag barrier": {}, "atomic barrier": {"FLAG_BARRIER": 0},
             "weights of layer 0 only (no stream)": {"STREAM": 0},
@@ -130,7 +130,8 @@ def phase_times(pk: Persistent, h: torch.Tensor, att: torch.Tensor, n: int) -> d
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+    """Relative error of a against b (inf where a is not finite)."""
+    return rel_err(a, b.float())
 
 
 def main() -> int:
