@@ -1,14 +1,16 @@
 """GPU parity and timing of the tensor-core int4 decode GEMV (fourfold.quant.int4_mma) against the Triton one.
 
-    python bench/int4_mma_check.py --out DIR          # exit code 1 if a parity check fails
+    python bench/int4_mma_check.py --out DIR [--preset llama3-8b]     # exit code 1 if a parity check fails
 
 1. Parity through Int4WeightLinear.decode against a float32 matmul of the dequantized weights (rel err < 1e-2)
-and against the Triton GEMV (fourfold.quant.int4_gemv, FOURFOLD_INT4_MMA off): llama-1b shapes, groups
-32/64/128/256, symmetric and asymmetric, 1/2/3/8 token rows, plain, bias, residual, RMSNorm-prologue and gated
-forms. 2. Per-kernel time of each llama-1b shape at 1 and 8 rows, both kernels (the mma one also at 4/8/16/32
-warps a block), each in a CUDA graph over 12 copies of the weight (more than L2 holds). 3. One decoder layer's
-matmuls and norms as the engine runs them (fused_decoder.INT4_FUSED_NORMS) with each kernel, and with the mma
-kernels' block sizes swept in that chain (int4_mma.config's defaults come from it). Writes int4_mma_check.json.
+and against the Triton GEMV (fourfold.quant.int4_gemv, FOURFOLD_INT4_MMA off): the preset's shapes (default
+llama-1b), groups 32/64/128/256, symmetric and asymmetric, 1/2/3/8 token rows, plain, bias, residual,
+RMSNorm-prologue and gated forms; then K split over 2 and 3 blocks (int4_mma.config's SPLIT) against the same
+reference. 2. Per-kernel time of each shape at 1 and 8 rows, both kernels (the mma one also at 4/8/16/32 warps a
+block, and at 8/16 warps with K split over 1-4 blocks), each in a CUDA graph over 12 copies of the weight (more
+than L2 holds). 3. One decoder layer's matmuls and norms as the engine runs them (fused_decoder.INT4_FUSED_NORMS)
+with each kernel, and with the mma kernels' block sizes and splits swept in that chain (int4_mma.config's
+defaults come from it). Writes int4_mma_check.json.
 """
 
 from __future__ import annotations
@@ -26,12 +28,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_check import graph_us, rel_err  # noqa: E402
-from int4_gemv_check import DEV, DIM, FFN, QKV, TOL, module  # noqa: E402
+from int4_gemv_check import DEV, TOL, module  # noqa: E402
 
 from fourfold.infer.fused_ops import add_rms_norm  # noqa: E402
+from fourfold.models.presets import PRESETS  # noqa: E402
 from fourfold.quant import int4_mma  # noqa: E402
 
-SHAPES = {"qkv": (QKV, DIM), "o": (DIM, DIM), "gate_up": (2 * FFN, DIM), "down": (DIM, FFN)}
+SHAPES: dict[str, tuple[int, int]] = {}
+"""name -> (out features, in features) of the preset's decoder matmuls; set by main()."""
+
+
+def preset_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    p = PRESETS[preset]
+    dim, ffn = p["dim"], p["ffn_dim"]
+    qkv = dim + 2 * p["n_kv_heads"] * (dim // p["n_heads"])
+    return {"qkv": (qkv, dim), "o": (dim, dim), "gate_up": (2 * ffn, dim), "down": (dim, ffn)}
 
 
 def with_mma(enabled: bool, fn):
@@ -51,7 +62,8 @@ def parity(results: list) -> int:
         n, k = SHAPES[shape]
         gated = shape == "gate_up"
         mod, w = module(n, k, scheme)
-        assert mod._uses_mma(torch.zeros(1, k, device=DEV, dtype=torch.bfloat16)), "the mma kernel does not run here"
+        assert n > int4_mma.MAX_OUT_FEATURES or mod._uses_mma(torch.zeros(1, k, device=DEV, dtype=torch.bfloat16)), \
+            "the mma kernel does not run here"
         for rows in (1, 2, 3, 8):
             for form in ("plain", "bias", "residual", "norm"):
                 n_out = n // 2 if gated else n
@@ -76,6 +88,38 @@ def parity(results: list) -> int:
                 print(f"{'ok  ' if ok else 'FAIL'} {scheme:15s} {shape:8s} x{rows} {form:8s} rel err {err:.2e}"
                       f" | vs triton (row 0) {err_triton:.2e}")
         del mod, w
+    return failed + split_parity(results)
+
+
+def split_parity(results: list) -> int:
+    """K split over 2 and 3 blocks (a ticket per row block, float32 partials) against the float32 reference."""
+    failed = 0
+    for shape, (n, k) in SHAPES.items():
+        gated = shape == "gate_up"
+        mod, w = module(n, k, "int4-g128-asym")
+        for split in (2, 3):
+            launch = int4_mma.config(k, 128, gated, split=split)
+            for rows in (1, 8):
+                for form in (("norm",) if gated else ("residual", "norm")):
+                    n_out = n // 2 if gated else n
+                    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+                    nw = (torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16)
+                    r = torch.randn(rows, n_out, device=DEV, dtype=torch.bfloat16)
+                    xin = add_rms_norm(x, None, nw, 1e-5)[0] if form == "norm" else x
+                    ref = xin.float() @ w.T
+                    ref = F.silu(ref[:, :n // 2]) * ref[:, n // 2:] if gated else ref
+                    ref = ref + r.float() if form == "residual" else ref
+                    for repeat in range(2):   # the second launch finds the tickets the first one left at zero
+                        y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, gated=gated,
+                                                   residual=r if form == "residual" else None,
+                                                   norm_weight=nw if form == "norm" else None, launch_config=launch,
+                                                   workspace=mod.mma_workspace(split))
+                    err = rel_err(y, ref)
+                    failed += not err < TOL
+                    results.append({"scheme": "int4-g128-asym", "shape": shape, "rows": rows, "form": form,
+                                    "split": split, "rel_err": err})
+                    print(f"{'ok  ' if err < TOL else 'FAIL'} split {split} {shape:8s} x{rows} {form:8s} rel err {err:.2e}")
+        del mod, w
     return failed
 
 
@@ -91,9 +135,16 @@ def kernel_timing(results: list, copies: int = 12) -> None:
                     continue   # the Triton GEMV takes one row (more go to torch's int4 mm)
                 row[label] = with_mma(enabled, lambda: graph_us([lambda m=m: m.decode(x, gated=gated) for m in mods]))
             for warps in (4, 8, 16, 32):   # block sizes of the mma kernel
-                cfg = int4_mma.config(k, 128, warps=warps)
+                cfg = int4_mma.config(k, 128, gated, warps=warps)
                 row[f"mma_w{warps}"] = graph_us([lambda m=m: int4_mma.int4_mma_gemv(
-                    x, *m.mma_words(), 128, gated=gated, launch_config=cfg) for m in mods])
+                    x, *m.mma_words(), 128, gated=gated, launch_config=cfg, workspace=m.mma_workspace(cfg[2]))
+                    for m in mods])
+            for warps in (8, 16):          # K split over blocks
+                for split in (1, 2, 3, 4):
+                    cfg = int4_mma.config(k, 128, gated, warps=warps, split=split)
+                    row[f"mma_w{warps}_s{split}"] = graph_us([lambda m=m: int4_mma.int4_mma_gemv(
+                        x, *m.mma_words(), 128, gated=gated, launch_config=cfg, workspace=m.mma_workspace(split))
+                        for m in mods])
             results.append(row)
             print(f"{name:8s} x{rows}: " + ", ".join(f"{lb} {us:.2f} us" for lb, us in row.items()
                                                      if lb not in ("shape", "rows")))
@@ -101,9 +152,10 @@ def kernel_timing(results: list, copies: int = 12) -> None:
 
 
 def layer_timing(results: list, layers: int = 12) -> None:
-    nw = torch.ones(DIM, device=DEV, dtype=torch.bfloat16)
-    x0 = torch.randn(1, DIM, device=DEV, dtype=torch.bfloat16)
-    att = torch.randn(1, DIM, device=DEV, dtype=torch.bfloat16)
+    dim = SHAPES["o"][0]
+    nw = torch.ones(dim, device=DEV, dtype=torch.bfloat16)
+    x0 = torch.randn(1, dim, device=DEV, dtype=torch.bfloat16)
+    att = torch.randn(1, dim, device=DEV, dtype=torch.bfloat16)
     mods = [{nm: module(n, k, "int4-g128")[0] for nm, (n, k) in SHAPES.items()} for _ in range(layers)]
 
     def fused_layer(L):
@@ -117,38 +169,53 @@ def layer_timing(results: list, layers: int = 12) -> None:
     print(f"fused layer at 1 row: mma {row['mma']:.2f} us, triton {row['triton']:.2f} us "
           f"({row['triton'] / row['mma']:.2f}x)")
     results.append(row)
-    layer_warps(results, mods, nw)
+    layer_configs(results, mods, nw)
 
 
-def layer_warps(results: list, mods: list, nw: torch.Tensor) -> None:
-    """Block sizes of the q|k|v, o and down kernels timed in the layer's chain (each kernel's neighbours change
-    how much of its wait it hides, so a kernel repeated alone can prefer another size); gate|up as the engine
-    runs it (Triton at one row, the mma kernel at 8)."""
-    def gemv(L, name, x, warps, **kw):
+LAYER_CONFIGS = {   # (warps, split) of q|k|v, o, down; None: int4_mma.config's default
+    "default": (None, None, None),
+    "16 warps, no split": ((16, 1), (16, 1), (16, 1)),
+    "q|k|v and o at 8 warps": ((8, None), (8, None), (16, None)),
+    "down split 2": (None, None, (16, 2)),
+    "down split 3": (None, None, (16, 3)),
+    "q|k|v, o split 2": ((16, 2), (16, 2), None),
+    "all split 2": ((16, 2), (16, 2), (16, 2)),
+}
+
+
+def layer_configs(results: list, mods: list, nw: torch.Tensor) -> None:
+    """Block sizes and K splits of the q|k|v, o and down kernels timed in the layer's chain (each kernel's
+    neighbours change how much of its wait it hides, so a kernel repeated alone can prefer another size); gate|up
+    as the engine runs it (Triton at one row, the mma kernel at 8 where it takes the shape)."""
+    def gemv(L, name, x, cfg, **kw):
         k = SHAPES[name][1]
-        return int4_mma.int4_mma_gemv(x, *L[name].mma_words(), 128, launch_config=int4_mma.config(k, 128, warps=warps),
-                                      **kw)
+        launch = int4_mma.config(k, 128, **(dict(zip(("warps", "split"), cfg)) if cfg else {}))
+        return int4_mma.int4_mma_gemv(x, *L[name].mma_words(), 128, launch_config=launch,
+                                      workspace=L[name].mma_workspace(launch[2]), **kw)
 
-    def layer(L, x, att, w_qkv, w_o, w_down):
-        gemv(L, "qkv", x, w_qkv, norm_weight=nw)
-        h = gemv(L, "o", att, w_o, residual=x)
-        return gemv(L, "down", L["gate_up"].decode(h, gated=True, norm_weight=nw), w_down, residual=h)
+    def layer(L, x, att, c_qkv, c_o, c_down):
+        gemv(L, "qkv", x, c_qkv, norm_weight=nw)
+        h = gemv(L, "o", att, c_o, residual=x)
+        return gemv(L, "down", L["gate_up"].decode(h, gated=True, norm_weight=nw), c_down, residual=h)
 
+    dim = SHAPES["o"][0]
     for rows in (1, 8):
-        x = torch.randn(rows, DIM, device=DEV, dtype=torch.bfloat16)
-        att = torch.randn(rows, DIM, device=DEV, dtype=torch.bfloat16)
-        row = {"rows": rows, "default": graph_us([lambda L=L: layer(L, x, att, None, None, None) for L in mods])}
-        for ws in ((16, 16, 16), (8, 8, 16), (8, 8, 8), (4, 4, 16)):
-            row["warps q|k|v %d, o %d, down %d" % ws] = graph_us([lambda L=L: layer(L, x, att, *ws) for L in mods])
+        x = torch.randn(rows, dim, device=DEV, dtype=torch.bfloat16)
+        att = torch.randn(rows, dim, device=DEV, dtype=torch.bfloat16)
+        row = {"rows": rows}
+        for label, cfgs in LAYER_CONFIGS.items():
+            row[label] = graph_us([lambda L=L: layer(L, x, att, *cfgs) for L in mods])
         results.append(row)
-        print(f"layer at {rows} rows by block size: " + ", ".join(f"{lb} {us:.2f} us" for lb, us in row.items()
-                                                                  if lb != "rows"))
+        print(f"layer at {rows} rows by block size and split: " + ", ".join(f"{lb} {us:.2f} us" for lb, us in row.items()
+                                                                            if lb != "rows"))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/int4-mma-check")
+    p.add_argument("--preset", default="llama-1b", choices=sorted(PRESETS))
     a = p.parse_args()
+    SHAPES.update(preset_shapes(a.preset))
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
@@ -161,7 +228,7 @@ def main() -> int:
     layer_timing(layer)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "int4_mma_check.json").write_text(json.dumps({"device": torch.cuda.get_device_name(DEV),
+    (out / "int4_mma_check.json").write_text(json.dumps({"device": torch.cuda.get_device_name(DEV), "preset": a.preset,
                                                          "parity": checks, "kernels": kernels, "layer": layer},
                                                         indent=1))
     print(f"wrote {out / 'int4_mma_check.json'} in {time.time() - start:.0f}s")

@@ -92,13 +92,21 @@ def test_bad_shapes_and_unsupported_inputs():
         int4_mma.repack_mma(torch.zeros(24, 64, dtype=torch.uint8))
     scales = torch.ones(32, 1, dtype=torch.bfloat16)
     assert not int4_mma.supports(torch.zeros(1, 128, dtype=torch.bfloat16), scales, 128, 32)     # CPU tensor
-    assert int4_mma.config(2048, 128) == (16, 2) and int4_mma.config(5632, 128, gated=False) == (16, 6)
-    assert int4_mma.config(2048, 128, gated=True) == (8, 4) and int4_mma.config(2048, 256, warps=32) == (32, 4)
+    assert int4_mma.config(2048, 128) == (16, 2, 1) and int4_mma.config(5632, 128, gated=False) == (16, 6, 1)
+    assert int4_mma.config(2048, 128, gated=True) == (8, 4, 1) and int4_mma.config(2048, 256, warps=32) == (32, 4, 1)
+    # llama3-8b's down projection (K 14336): 14 quads a warp in one 16-warp block would spill, so K splits over
+    # 10 blocks of 4 warps; its gate|up (K 4096, gated) over 3
+    assert int4_mma.config(14336, 128) == (4, 6, 10) and int4_mma.config(14336, 128, split=2) == (16, 8, 2)
+    assert int4_mma.config(4096, 128, gated=True) == (4, 6, 3) and int4_mma.config(4096, 128) == (16, 4, 1)
+    with pytest.raises(ValueError, match="workspace"):
+        int4_mma.int4_mma_gemv(torch.zeros(1, 14336, dtype=torch.bfloat16), torch.zeros(2, 224 * 128, dtype=torch.int32),
+                               torch.zeros(32, 112, dtype=torch.int32), 128)
 
 
 @pytest.mark.skipif(not nvrtc_launch.available(), reason="needs cuda-bindings (NVRTC)")
-def test_kernel_compiles_for_hopper_without_a_gpu():
-    defines = {"WARPS": 16, "MAXQ": 2, "GS": 8, "GATED": 1, "NORM": 1, "RES": 1, "BIAS": 1, "PDL": 1}
+@pytest.mark.parametrize("split", [1, 3])
+def test_kernel_compiles_for_hopper_without_a_gpu(split):
+    defines = {"WARPS": 16, "MAXQ": 2, "GS": 8, "SPLIT": split, "GATED": 1, "NORM": 1, "RES": 1, "BIAS": 1, "PDL": 1}
     try:
         cubin = nvrtc_launch.compile_cubin(int4_mma._source(), "int4_mma_gemv", defines, "sm_90")
     except Exception as e:  # noqa: BLE001 - cuda-bindings without the NVRTC library
@@ -108,7 +116,8 @@ def test_kernel_compiles_for_hopper_without_a_gpu():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and nvrtc_launch.available()), reason="needs CUDA + cuda-bindings")
 @pytest.mark.parametrize("rows", [1, 5, 8])
-def test_kernel_matches_the_dequantized_matmul_on_gpu(rows):
+@pytest.mark.parametrize("split", [1, 3])
+def test_kernel_matches_the_dequantized_matmul_on_gpu(rows, split):
     torch.manual_seed(2)
     s = scheme_by_name("int4-g128-asym")
     lin = torch.nn.Linear(1024, 256, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -117,5 +126,6 @@ def test_kernel_matches_the_dequantized_matmul_on_gpu(rows):
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     r = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ dequantize_weight(q, scales, zeros, s).float().T + r.float()
-    y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, residual=r)
+    y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, residual=r, launch_config=int4_mma.config(1024, 128, split=split),
+                               workspace=mod.mma_workspace(split))
     assert (y.float() - ref).norm() / ref.norm() < 1e-2

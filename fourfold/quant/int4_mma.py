@@ -47,9 +47,14 @@ MAX_ROWS = 8
 """Token rows one call takes: the mma's 8 columns."""
 
 MAX_OUT_FEATURES = 12288
-"""Wider weights (an output head) keep the other kernels: every weight of a block is loaded before its first mma,
-so a weight of many 16-row blocks runs in many waves (H200, llama-1b's 32000-row int4 head at one row: a
-0.606 against 0.526 ms decode step). The sweep covered up to 11264 rows (llama-1b's gate|up)."""
+"""At one token row, wider weights (an output head) keep the other kernels: every weight of a block is loaded
+before its first mma, so a weight of many 16-row blocks runs in many waves (H200, llama-1b's 32000-row int4 head
+at one row: a 0.606 against 0.526 ms decode step). The sweep covered up to 11264 rows (llama-1b's gate|up)."""
+
+MAX_OUT_FEATURES_ROWS = 32768
+"""At 2-8 token rows the limit is this: the other kernels there are torch's int4 mm and the W4A16 GEMM, far slower
+on wide weights (H200, llama3-8b's gate|up, 28672 rows, at 8 rows: 28.5 us here against 157 us;
+bench/int4_mma_check.py --preset llama3-8b)."""
 
 ENABLED = os.environ.get("FOURFOLD_INT4_MMA") != "0"
 """FOURFOLD_INT4_MMA=0 at import keeps every int4 decode step on the Triton GEMV (A/B)."""
@@ -66,7 +71,7 @@ def supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out_featur
     rows = x.numel() // in_features if in_features else 0
     return (ENABLED and nvrtc_launch.available() and x.is_cuda and x.dtype == torch.bfloat16
             and scales.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and in_features % 64 == 0
-            and out_features % 16 == 0 and out_features <= MAX_OUT_FEATURES
+            and out_features % 16 == 0 and out_features <= (MAX_OUT_FEATURES if rows == 1 else MAX_OUT_FEATURES_ROWS)
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
@@ -108,23 +113,57 @@ def scale_words(scales: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor
     return words.to(torch.int32).contiguous()
 
 
-def config(k: int, group_size: int, gated: bool = False, warps: int | None = None) -> tuple[int, int]:
-    """(WARPS, MAXQ): warps per block (they split K) and the most 64-wide quads one warp takes. Block sizes from
-    bench/int4_mma_check.py's sweep on an H200 (llama-1b, 1 and 8 rows): 16 warps, 8 for the gated form. Timed in
-    a decoder layer's chain too (the same script): q|k|v, o and down at 16 warps 16.7 us at one row and 19.1 at
-    8 rows, against 17.0 and 20.0 with q|k|v and o at 8."""
-    warps = warps or (8 if gated else 16)
-    unit = max(1, group_size // 64)
+MAX_WARP_QUADS = 6
+"""A warp holds its K range's weights and x in registers: llama-1b's down projection (6 quads a warp at 16 warps)
+takes 93 registers; llama3-8b's (14 quads) spilled 336 bytes a thread (sm_90, NVRTC) and took 84 us at one row, so
+wider K splits across blocks of SPLIT_WARPS warps."""
+
+SPLIT_WARPS = 4
+"""Warps a block when K is split (H200, bench/int4_mma_check.py --preset llama3-8b, one row / 8 rows): the down
+projection (K 14336) 17.6 / 18.9 us at 4 warps (K over 10 blocks) against 25.0 / 27.8 at 16 (3 blocks); gate|up
+(28672 rows) at 8 rows 28.5 us at 4 warps (3 blocks) against 34.7 at 8 (2 blocks). Splitting K where it is not
+needed costs more than it gives (llama-1b: every shape 1-3 us slower split in two), hence only past MAX_WARP_QUADS."""
+
+
+def config(k: int, group_size: int, gated: bool = False, warps: int | None = None,
+           split: int | None = None) -> tuple[int, int, int]:
+    """(WARPS, MAXQ, SPLIT): warps per block (they split K), the most 64-wide quads one warp takes, and how many
+    blocks split K. Block sizes from bench/int4_mma_check.py's sweep on an H200 (llama-1b, 1 and 8 rows): 16 warps,
+    8 for the gated form. Timed in a decoder layer's chain too (the same script): q|k|v, o and down at 16 warps
+    16.7 us at one row and 19.1 at 8 rows, against 17.0 and 20.0 with q|k|v and o at 8. SPLIT by default: the
+    fewest blocks that keep a warp's quads at most MAX_WARP_QUADS, then SPLIT_WARPS warps a block unless `warps`."""
+    unit = max(1, group_size // 64)           # quads per group-aligned unit
     units = k // 64 // unit
-    return warps, -(-units // warps) * unit
+
+    def warp_quads(s: int) -> int:            # a block takes at most ceil(units / s) units, a warp ceil(that / warps)
+        return -(-units // (s * warps)) * unit
+
+    if warps is None:
+        warps = 8 if gated else 16
+        if split is None and warp_quads(1) > MAX_WARP_QUADS:
+            warps = SPLIT_WARPS
+    if split is None:
+        split = 1
+        while warp_quads(split) > MAX_WARP_QUADS and split < units:
+            split += 1
+    return warps, warp_quads(split), split
+
+
+def split_workspace(row_blocks: int, split: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial sums, tickets) for a launch with SPLIT > 1: float32 [row blocks, SPLIT, 10 values, 32 lanes], and
+    int32 [row blocks] zeros that the kernel leaves zero. Kernels on one stream may share one."""
+    return (torch.empty(row_blocks * split * 10 * 32, device=device, dtype=torch.float32),
+            torch.zeros(row_blocks, device=device, dtype=torch.int32))
 
 
 def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tensor, group_size: int,
                   bias: torch.Tensor | None = None, gated: bool = False, residual: torch.Tensor | None = None,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-5,
-                  launch_config: tuple[int, int] | None = None) -> torch.Tensor:
+                  launch_config: tuple[int, int, int] | None = None,
+                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x (.., K) bf16 @ dequant(W).T + bias; `gated`: silu(first half of the rows) * second half; `residual`:
-    added (rounded as an eager residual add); `norm_weight`: x RMS-normalised (eps) and scaled by it first."""
+    added (rounded as an eager residual add); `norm_weight`: x RMS-normalised (eps) and scaled by it first.
+    A launch whose config splits K across blocks needs `workspace` (split_workspace, made outside graph capture)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:   # the kernel reads x in 16-byte pieces
@@ -142,13 +181,18 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
         assert res.stride(-1) == 1 and res.dtype == torch.bfloat16
     for t in (bias, norm_weight):
         assert t is None or (t.dtype == torch.bfloat16 and t.is_contiguous())
-    warps, maxq = launch_config or config(k, group_size, gated)
+    warps, maxq, split = launch_config or config(k, group_size, gated)
+    partial = tickets = None
+    if split > 1:
+        if workspace is None or workspace[1].numel() < words.shape[0] or workspace[0].numel() < words.shape[0] * split * 320:
+            raise ValueError(f"a launch that splits K over {split} blocks needs a workspace (int4_mma.split_workspace)")
+        partial, tickets = workspace
     use_pdl = pdl(x.device)
-    defines = {"WARPS": warps, "MAXQ": maxq, "GS": group_size // 16, "GATED": int(gated),
+    defines = {"WARPS": warps, "MAXQ": maxq, "GS": group_size // 16, "SPLIT": split, "GATED": int(gated),
                "NORM": int(norm_weight is not None), "RES": int(res is not None), "BIAS": int(bias is not None),
                "PDL": int(use_pdl)}
     kernel = nvrtc_launch.compiled_kernel(_source(), "int4_mma_gemv", defines, x.device)
-    nvrtc_launch.launch(kernel, n // 16, warps * 32,
-                        [words, scale_words_, x2, norm_weight, bias, res, out, rows, k, n, x2.stride(0),
+    nvrtc_launch.launch(kernel, n // 16 * split, warps * 32,
+                        [words, scale_words_, x2, norm_weight, bias, res, out, partial, tickets, rows, k, n, x2.stride(0),
                          res.stride(0) if res is not None else 0, out.stride(0), float(eps)], x.device, pdl=use_pdl)
     return out.reshape(*x.shape[:-1], n)

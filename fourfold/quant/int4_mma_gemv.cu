@@ -2,8 +2,10 @@
 // fourfold/quant/int4_mma.py, which documents the weight layout and the arithmetic).
 //
 // Compile-time settings (-D): WARPS (warps of a block, which split K), MAXQ (most 64-wide K quads a warp
-// takes), GS (16-wide k-steps per quantization group), GATED, NORM, RES, BIAS, PDL (0/1 each).
-// One block owns one 16-row block of the output (GATED: the gate rows and the matching up rows). Each warp
+// takes), GS (16-wide k-steps per quantization group), SPLIT (blocks that split K), GATED, NORM, RES, BIAS, PDL
+// (0/1 each). SPLIT blocks own one 16-row block of the output (GATED: the gate rows and the matching up rows);
+// with SPLIT > 1 each stores its float32 sums, and the last to finish (a ticket per row block) adds them in split
+// order, so the result does not depend on which finished last, and runs the epilogue. Each warp
 // runs mma.m16n8k16 (bf16 in, float32 sums) over its K range: the A operand is the weight, whose 8 nibbles per
 // lane and k-step sit in one 32-bit word in fragment order, so each bf16x2 register is one LOP3 (nibble u
 // becomes the bf16 128 + u); the B operand is x, token rows as the 8 columns. A second mma with A = ones gives
@@ -80,17 +82,20 @@ __device__ __forceinline__ void flush_group(float* tot, const float (*acc)[4], c
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_words, const u16* x,
               const u16* __restrict__ norm_weight, const u16* __restrict__ bias, const u16* res, u16* out,
+              float* partial, int* tickets,
               int m, int k, int up_rows, int stride_x, int stride_res, int stride_out, float eps) {
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int rb = blockIdx.x;
+    const int rb = blockIdx.x / SPLIT, split = blockIdx.x % SPLIT;
     const int quads = k >> 6, groups = k / (GS * 16);
     const int unit = GS > 4 ? GS / 4 : 1;                      // quads per group-aligned unit
     const int units = quads / unit;
-    const int q0 = (warp * units / WARPS) * unit, nq = ((warp + 1) * units / WARPS) * unit - q0;
+    // this block's units, then this warp's share of them
+    const int u0 = split * units / SPLIT, bunits = (split + 1) * units / SPLIT - u0;
+    const int q0 = (u0 + warp * bunits / WARPS) * unit, nq = (u0 + (warp + 1) * bunits / WARPS) * unit - q0;
     const int grp0 = q0 * 4 / GS, ngrp = nq * 4 / GS;
     const int row0 = rb * 16 + g, row1 = row0 + 8;
 
@@ -264,6 +269,26 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
         for (int w2 = 0; w2 < WARPS; ++w2) s += red[e][w2][lane];
         v[e] = s;
     }
+#if SPLIT > 1
+    // partial[rb][split][value][lane]; the ticket's last taker adds the SPLIT partials in split order
+    float* mine = partial + ((size_t)(rb * SPLIT + split) * NRED) * 32 + lane;
+#pragma unroll
+    for (int e = 0; e < NRED; ++e) mine[e * 32] = v[e];
+    __threadfence();
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(tickets + rb, 1) == SPLIT - 1;
+    if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
+    __threadfence();
+    const float* all = partial + (size_t)rb * SPLIT * NRED * 32 + lane;
+#pragma unroll
+    for (int e = 0; e < NRED; ++e) {
+        float s = 0.f;
+        for (int sp = 0; sp < SPLIT; ++sp) s += sp == split ? v[e] : __ldcg(all + (sp * NRED + e) * 32);
+        v[e] = s;
+    }
+    if (lane == 0) tickets[rb] = 0;   // ready for the next launch
+#endif
 #if NORM
     // token c's sum of squares is element (c, c): lane 4c + c/2, register c % 2
     const float sq_even = __shfl_sync(0xFFFFFFFFu, v[4 + 4 * GATED], 9 * t);

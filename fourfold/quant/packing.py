@@ -105,6 +105,7 @@ class Int4WeightLinear(nn.Module):
         self._kernel_cache: dict = {}
         self._planes_cache: dict = {}
         self._mma_cache: dict = {}
+        self._workspace_cache: dict = {}
 
     @classmethod
     def from_float(cls, linear: nn.Linear, scheme: QuantScheme, name: str = "linear") -> "Int4WeightLinear":
@@ -140,6 +141,14 @@ class Int4WeightLinear(nn.Module):
                                      int4_mma.scale_words(self.scales, self.zero_points))}
         return self._mma_cache[key]
 
+    def mma_workspace(self, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The partial sums and tickets of an int4_mma launch that splits K over `split` blocks, made once per
+        weight device and split (like the repacked words: at the first decode step, before graph capture)."""
+        key = (self.weight_int4.device, split)
+        if key not in self._workspace_cache:
+            self._workspace_cache[key] = int4_mma.split_workspace(self.out_features // 16, split, key[0])
+        return self._workspace_cache[key]
+
     def _uses_mma(self, x: torch.Tensor) -> bool:
         return (int4_mma.supports(x, self.scales, self.in_features, self.out_features)
                 and (self.bias is None or self.bias.dtype == torch.bfloat16))
@@ -160,8 +169,11 @@ class Int4WeightLinear(nn.Module):
         triton_row = gated and rows <= gemv.MAX_ROWS and gemv.available()
         if self._uses_mma(x) and not triton_row and (norm_weight is None or norm_weight.dtype == torch.bfloat16):
             words, scale_words = self.mma_words()
+            launch = int4_mma.config(self.in_features, self.scheme.group_size, gated)
+            workspace = self.mma_workspace(launch[2]) if launch[2] > 1 else None
             return int4_mma.int4_mma_gemv(x, words, scale_words, self.scheme.group_size, self.bias, gated=gated,
-                                          residual=residual, norm_weight=norm_weight, eps=eps)
+                                          residual=residual, norm_weight=norm_weight, eps=eps, launch_config=launch,
+                                          workspace=workspace)
         return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size, self.bias,
                               gated=gated, asym=not self.scheme.symmetric, words=self.planes(), residual=residual,
                               norm_weight=norm_weight, eps=eps)
