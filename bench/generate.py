@@ -16,6 +16,8 @@ token ids, 256 new tokens, greedy, end-of-sequence ignored. Variants, each in it
   fourfold-prefix  64 requests sharing a 1k-token system prompt (--system-len), prefix caching on and off
   hf-eager         `generate` (dynamic cache) at 1 and 64
   hf-compile       `generate` with the static cache, which Hugging Face compiles; two warm-up runs per size
+  hf-compile-int4  the same with the decoder's linears on torch's int4 kernel (tinygemm, bench/hf_int4.py),
+                   round to nearest at the group size of --quant: the int4 peer of fourfold-quant
   hf-cb            continuous batching `generate_batch` with attn_implementation "paged|sdpa"
 Throughput is end to end (prefill included): generated tokens / wall time of the whole batch. Batch-1
 decode ms/step comes from two runs (256 and 32 new tokens) and is shown next to the bandwidth bound
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -39,10 +42,10 @@ sys.path[:0] = [ROOT, BENCH]
 
 from common import read_child  # noqa: E402
 
-ORDER = ["fourfold", "fourfold-quant", "hf-compile", "hf-cb", "hf-eager", "fourfold-prefix"]
-TIMEOUTS = {"fourfold": 300, "fourfold-quant": 300, "hf-compile": 330, "hf-cb": 200, "hf-eager": 150,
-            "fourfold-prefix": 200}
-HF_CONCURRENCY = {"hf-eager": [1, 64], "hf-compile": [1, 64, 256], "hf-cb": [1, 64, 256]}
+ORDER = ["fourfold", "fourfold-quant", "hf-compile", "hf-compile-int4", "hf-cb", "hf-eager", "fourfold-prefix"]
+TIMEOUTS = {"fourfold": 300, "fourfold-quant": 300, "hf-compile": 330, "hf-compile-int4": 330, "hf-cb": 200,
+            "hf-eager": 150, "fourfold-prefix": 200}
+HF_CONCURRENCY = {"hf-eager": [1, 64], "hf-compile": [1, 64, 256], "hf-compile-int4": [1, 8, 64], "hf-cb": [1, 64, 256]}
 GOALS = {1: 950, 64: 35_000, 256: 75_000}
 
 
@@ -282,6 +285,14 @@ def run_hf(args) -> None:
     attn = args.hf_cb_attn if name == "hf-cb" else "sdpa"
     try:
         model, vocab = hf_model(args, attn)
+        if name == "hf-compile-int4":
+            from hf_int4 import quantize_decoder_linears
+
+            scheme = re.fullmatch(r"int4-g(\d+)(\+head)?", args.quant)
+            if scheme is None:
+                raise SystemExit(f"hf-compile-int4 runs int4-gN schemes only (torch's int4 kernel), not {args.quant!r}")
+            group = int(scheme.group(1))
+            say(f"PROGRESS {quantize_decoder_linears(model, group)} decoder linears on torch's int4 kernel, group {group}")
     except Exception as e:  # an older/newer transformers may not know the paged name: fall back, and say so
         if name != "hf-cb":
             raise
@@ -289,7 +300,8 @@ def run_hf(args) -> None:
         attn = "sdpa"
         model, vocab = hf_model(args, attn)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    if name == "hf-compile":
+    compiled = name in ("hf-compile", "hf-compile-int4")
+    if compiled:
         import torch._dynamo
 
         torch._dynamo.config.cache_size_limit = 64
@@ -307,14 +319,14 @@ def run_hf(args) -> None:
                 out = model.generate_batch(inputs=ps, generation_config=gen_cfg)
                 return sum(len(o.generated_tokens) for o in out.values())
         else:
-            extra = {"cache_implementation": "static"} if name == "hf-compile" else {}
+            extra = {"cache_implementation": "static"} if compiled else {}
 
             def go(ps, n=new):
                 ids = torch.tensor(ps, device=args.device)
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                      do_sample=False, pad_token_id=0, **extra)
                 return (out.shape[1] - ids.shape[1]) * ids.shape[0]
-        warmups = 2 if name == "hf-compile" else 1
+        warmups = 2 if compiled else 1
         t0 = time.perf_counter()  # no inference_mode: generate_batch refuses it; both run under no_grad
         for w in range(warmups):  # other prompts, same shapes
             go(prompts_for(c, args.prompt_len, vocab, seed=10_000 + c + w))
@@ -352,8 +364,8 @@ def run_variant(name: str, args, budget_left: float) -> list[dict]:
 def markdown(rows: list[dict], args, bound_ms: float) -> str:
     ok = [r for r in rows if "error" not in r]
     cols = sorted({r["concurrency"] for r in ok})
-    names = [n for n in ["fourfold", f"fourfold-{args.quant}", "hf-eager", "hf-compile", "hf-cb", "fourfold-prefix-on",
-                         "fourfold-prefix-off"]
+    names = [n for n in ["fourfold", f"fourfold-{args.quant}", "hf-eager", "hf-compile", "hf-compile-int4", "hf-cb",
+                         "fourfold-prefix-on", "fourfold-prefix-off"]
              if any(r["variant"] == n for r in ok)]
     cell = {(r["variant"], r["concurrency"]): r for r in ok}
     lines = [f"`{args.preset}` bf16, random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens "
@@ -374,10 +386,14 @@ def markdown(rows: list[dict], args, bound_ms: float) -> str:
         q_ratio = [f"{cell[(quant, c)]['tokens_per_s'] / cell[('fourfold', c)]['tokens_per_s']:.2f}x"
                    if (quant, c) in cell and ("fourfold", c) in cell else "—" for c in cols]
         lines.append(f"| {quant} / fourfold bf16 | " + " | ".join(q_ratio) + " | |")
+        peer = [f"{cell[(quant, c)]['tokens_per_s'] / cell[('hf-compile-int4', c)]['tokens_per_s']:.2f}x"
+                if (quant, c) in cell and ("hf-compile-int4", c) in cell else "—" for c in cols]
+        if any(v != "—" for v in peer):
+            lines.append(f"| {quant} / hf-compile-int4 | " + " | ".join(peer) + " | |")
     lines += ["", f"Bandwidth bound at batch 1: {bound_ms:.3f} ms/step ({1000 / bound_ms:,.0f} tok/s) = weight bytes / "
               f"{args.bandwidth / 1e12:.2f} TB/s."]
-    for c, goal in GOALS.items():
-        if ("fourfold", c) in cell:
+    for c, goal in GOALS.items():  # the engine issue's goals, set for llama-1b
+        if args.preset == "llama-1b" and ("fourfold", c) in cell:
             got = cell[("fourfold", c)]["tokens_per_s"]
             lines.append(f"Goal at {c}: >= {goal:,} tok/s; measured {got:,.0f} ({'met' if got >= goal else 'not met'}).")
     return "\n".join(lines) + "\n"
