@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fourfold.quant.packing import cuda_inner_k_tiles, pack_int4, scales_and_zeros
+
 
 def quantize_rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(u, scales): u uint8 [N, K] in 0..15 with weight ~ (u - 8) * scale, scales float32 [N, K / group_size]."""
@@ -43,11 +45,10 @@ class TorchInt4Linear(nn.Module):
         self.group_size, self.in_features, self.out_features = group_size, k, n
         u, scales = quantize_rtn(linear.weight, group_size)
         dtype, device = linear.weight.dtype, linear.weight.device
-        # [K / G, N, 2]: (scale, float zero); symmetric, so the zero is 0
-        sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        # the layouts torch's int4 kernels take (fourfold.quant.packing documents them); symmetric: zero points 0
+        sz = scales_and_zeros(scales, torch.zeros_like(scales, dtype=torch.int8), dtype)
         if device.type == "cuda":
-            inner_k_tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
-            packed = torch.ops.aten._convert_weight_to_int4pack((u[:, 0::2] << 4) | u[:, 1::2], inner_k_tiles)
+            packed = torch.ops.aten._convert_weight_to_int4pack(pack_int4(u), cuda_inner_k_tiles(k))
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), 2)
         self.register_buffer("packed", packed)

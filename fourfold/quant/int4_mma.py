@@ -149,10 +149,14 @@ def config(k: int, group_size: int, gated: bool = False, warps: int | None = Non
     return warps, warp_quads(split), split
 
 
+SPLIT_VALUES = 10
+"""Float32 sums a lane of a split block stores: the kernel's NRED at most (gate and up, 4 each, and 2 squares)."""
+
+
 def split_workspace(row_blocks: int, split: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial sums, tickets) for a launch with SPLIT > 1: float32 [row blocks, SPLIT, 10 values, 32 lanes], and
-    int32 [row blocks] zeros that the kernel leaves zero. Kernels on one stream may share one."""
-    return (torch.empty(row_blocks * split * 10 * 32, device=device, dtype=torch.float32),
+    """(partial sums, tickets) for a launch with SPLIT > 1: float32 [row blocks, SPLIT, SPLIT_VALUES, 32 lanes],
+    and int32 [row blocks] zeros that the kernel leaves zero. Kernels on one stream may share one."""
+    return (torch.empty(row_blocks * split * SPLIT_VALUES * 32, device=device, dtype=torch.float32),
             torch.zeros(row_blocks, device=device, dtype=torch.int32))
 
 
@@ -184,7 +188,9 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
     warps, maxq, split = launch_config or config(k, group_size, gated)
     partial = tickets = None
     if split > 1:
-        if workspace is None or workspace[1].numel() < words.shape[0] or workspace[0].numel() < words.shape[0] * split * 320:
+        row_blocks = words.shape[0]
+        if (workspace is None or workspace[1].numel() < row_blocks
+                or workspace[0].numel() < row_blocks * split * SPLIT_VALUES * 32):
             raise ValueError(f"a launch that splits K over {split} blocks needs a workspace (int4_mma.split_workspace)")
         partial, tickets = workspace
     use_pdl = pdl(x.device)
