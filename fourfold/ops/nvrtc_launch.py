@@ -79,11 +79,24 @@ def compiled_kernel(source: str, name: str, defines: dict[str, int], device: tor
     return _kernel(source, name, tuple(sorted(defines.items())), index)[0]
 
 
+_attributes_set: set[tuple[int, str, int]] = set()
+
+
+def _set_once(kernel, attribute: str, value: int) -> None:
+    """cuFuncSetAttribute(kernel, CU_FUNC_ATTRIBUTE_<attribute>, value) the first time it is asked for."""
+    key = (int(kernel), attribute, value)
+    if key not in _attributes_set:
+        _check(driver.cuFuncSetAttribute(kernel, getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attribute}"),
+                                         value), "cuFuncSetAttribute")
+        _attributes_set.add(key)
+
+
 def launch(kernel, grid: int, block: int, args: list, device: torch.device, pdl: bool = False,
-           shared_bytes: int = 0) -> None:
+           shared_bytes: int = 0, carveout: int | None = None) -> None:
     """Launch `kernel` on torch's current stream of `device`: tensors (or None) go as pointers, Python ints as
     32-bit ints, floats as 32-bit floats; `pdl` sets programmatic stream serialization (Hopper and newer);
-    `shared_bytes` of dynamic shared memory (above 48 KiB the kernel is opted in first)."""
+    `shared_bytes` of dynamic shared memory (the kernel is opted in to the size first); `carveout`: the preferred
+    percent of the SM's unified L1 / shared memory that is shared memory (set once per kernel)."""
     values = []
     for a in args:
         if a is None or isinstance(a, torch.Tensor):
@@ -99,10 +112,10 @@ def launch(kernel, grid: int, block: int, args: list, device: torch.device, pdl:
     config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
     config.sharedMemBytes = shared_bytes
-    if shared_bytes > 48 * 1024:
-        _check(driver.cuFuncSetAttribute(
-            kernel, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
-            "cuFuncSetAttribute")
+    if shared_bytes:   # static + dynamic past 48 KiB needs the opt-in
+        _set_once(kernel, "MAX_DYNAMIC_SHARED_SIZE_BYTES", shared_bytes)
+    if carveout is not None:
+        _set_once(kernel, "PREFERRED_SHARED_MEMORY_CARVEOUT", carveout)
     config.hStream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
     if pdl:
         attr = driver.CUlaunchAttribute()
