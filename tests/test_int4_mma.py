@@ -103,10 +103,36 @@ def test_bad_shapes_and_unsupported_inputs():
                                torch.zeros(32, 112, dtype=torch.int32), 128)
 
 
+def test_staged_configs_and_their_shared_memory():
+    # weights through shared memory: 8 warps of at most 8 quads, K split past that (llama3-8b's down: 4 blocks)
+    assert int4_mma.staged_config(4096, 128, gated=True) == (8, 8, 1)
+    assert int4_mma.staged_config(14336, 128) == (8, 8, 4) and int4_mma.staged_config(2048, 128) == (8, 4, 1)
+    assert int4_mma.staged_config(14336, 128, warps=4, max_quads=16) == (4, 14, 4)
+    assert int4_mma.staged_shared_bytes(8, 8, gated=True) == 8 * 8 * 2 * 512
+    assert int4_mma.min_blocks(8) == 2 and int4_mma.min_blocks(4) == 4 and int4_mma.min_blocks(32) == 1
+    with pytest.raises(ValueError, match="shared memory"):
+        int4_mma.int4_mma_gemv(torch.zeros(1, 16384, dtype=torch.bfloat16), torch.zeros(2, 256 * 128, dtype=torch.int32),
+                               torch.zeros(32, 128, dtype=torch.int32), 128, gated=True, staged=True,
+                               launch_config=(8, 32, 1))
+
+
+def test_staged_rule_follows_the_mode(monkeypatch):
+    monkeypatch.setattr(int4_mma, "STAGE_MODE", "auto")   # 2-8 rows, every weight of a model of width 4096
+    assert int4_mma.use_staged(28672, 4096, 8) and int4_mma.use_staged(4096, 14336, 2)
+    assert int4_mma.use_staged(6144, 4096, 8) and int4_mma.use_staged(4096, 4096, 3)
+    assert not int4_mma.use_staged(28672, 4096, 1) and not int4_mma.use_staged(11264, 2048, 8)
+    assert not int4_mma.use_staged(2048, 5632, 8)
+    monkeypatch.setattr(int4_mma, "STAGE_MODE", "0")
+    assert not int4_mma.use_staged(28672, 4096, 8)
+    monkeypatch.setattr(int4_mma, "STAGE_MODE", "1")
+    assert int4_mma.use_staged(2560, 2048, 1)
+
+
 @pytest.mark.skipif(not nvrtc_launch.available(), reason="needs cuda-bindings (NVRTC)")
-@pytest.mark.parametrize("split", [1, 3])
-def test_kernel_compiles_for_hopper_without_a_gpu(split):
-    defines = {"WARPS": 16, "MAXQ": 2, "GS": 8, "SPLIT": split, "GATED": 1, "NORM": 1, "RES": 1, "BIAS": 1, "PDL": 1}
+@pytest.mark.parametrize("split,stage", [(1, 0), (3, 0), (1, 1), (3, 1)])
+def test_kernel_compiles_for_hopper_without_a_gpu(split, stage):
+    defines = {"WARPS": 16, "MAXQ": 2, "GS": 8, "SPLIT": split, "GATED": 1, "NORM": 1, "RES": 1, "BIAS": 1, "PDL": 1,
+               "STAGE": stage, "MINB": 2 if stage else 1}
     try:
         cubin = nvrtc_launch.compile_cubin(int4_mma._source(), "int4_mma_gemv", defines, "sm_90")
     except Exception as e:  # noqa: BLE001 - cuda-bindings without the NVRTC library
@@ -117,7 +143,8 @@ def test_kernel_compiles_for_hopper_without_a_gpu(split):
 @pytest.mark.skipif(not (torch.cuda.is_available() and nvrtc_launch.available()), reason="needs CUDA + cuda-bindings")
 @pytest.mark.parametrize("rows", [1, 5, 8])
 @pytest.mark.parametrize("split", [1, 3])
-def test_kernel_matches_the_dequantized_matmul_on_gpu(rows, split):
+@pytest.mark.parametrize("staged", [False, True])
+def test_kernel_matches_the_dequantized_matmul_on_gpu(rows, split, staged):
     torch.manual_seed(2)
     s = scheme_by_name("int4-g128-asym")
     lin = torch.nn.Linear(1024, 256, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -126,6 +153,7 @@ def test_kernel_matches_the_dequantized_matmul_on_gpu(rows, split):
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     r = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ dequantize_weight(q, scales, zeros, s).float().T + r.float()
-    y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, residual=r, launch_config=int4_mma.config(1024, 128, split=split),
-                               workspace=mod.mma_workspace(split))
+    launch = (int4_mma.staged_config if staged else int4_mma.config)(1024, 128, split=split)
+    y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, residual=r, launch_config=launch,
+                               workspace=mod.mma_workspace(split), staged=staged)
     assert (y.float() - ref).norm() / ref.norm() < 1e-2

@@ -29,7 +29,9 @@ RMSNorm fused (`norm_weight`): sum(x^2) from X X^T on the tensor cores, x * w ro
 norm kernel rounds the normed row too) and rstd applied to the finished sums.
 One block of WARPS warps owns 16 output rows (gated: the gate rows and their up rows), its warps split K in
 group-aligned ranges and sum through shared memory. Weights and scales are loaded before the kernel waits for
-the previous one (programmatic dependent launch on Hopper). Needs cuda-bindings (fourfold.ops.nvrtc_launch),
+the previous one (programmatic dependent launch on Hopper). Staged form (`staged=True`, STAGE=1; `use_staged`
+picks it for 2-8 rows on a wide model): the weight words go to shared memory by cp.async instead of registers and
+x is read quad by quad, so many more blocks of a wide weight are resident. Needs cuda-bindings (fourfold.ops.nvrtc_launch),
 bf16 scales, K a multiple of 64 and N of 16; otherwise callers keep the Triton GEMV.
 """
 
@@ -71,7 +73,9 @@ def supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out_featur
     rows = x.numel() // in_features if in_features else 0
     return (ENABLED and nvrtc_launch.available() and x.is_cuda and x.dtype == torch.bfloat16
             and scales.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and in_features % 64 == 0
-            and out_features % 16 == 0 and out_features <= (MAX_OUT_FEATURES if rows == 1 else MAX_OUT_FEATURES_ROWS)
+            and out_features % 16 == 0
+            and out_features <= (MAX_OUT_FEATURES if rows == 1 and not use_staged(out_features, in_features, rows)
+                                 else MAX_OUT_FEATURES_ROWS)
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
@@ -126,12 +130,12 @@ needed costs more than it gives (llama-1b: every shape 1-3 us slower split in tw
 
 
 def config(k: int, group_size: int, gated: bool = False, warps: int | None = None,
-           split: int | None = None) -> tuple[int, int, int]:
+           split: int | None = None, max_quads: int = MAX_WARP_QUADS) -> tuple[int, int, int]:
     """(WARPS, MAXQ, SPLIT): warps per block (they split K), the most 64-wide quads one warp takes, and how many
     blocks split K. Block sizes from bench/int4_mma_check.py's sweep on an H200 (llama-1b, 1 and 8 rows): 16 warps,
     8 for the gated form. Timed in a decoder layer's chain too (the same script): q|k|v, o and down at 16 warps
     16.7 us at one row and 19.1 at 8 rows, against 17.0 and 20.0 with q|k|v and o at 8. SPLIT by default: the
-    fewest blocks that keep a warp's quads at most MAX_WARP_QUADS, then SPLIT_WARPS warps a block unless `warps`."""
+    fewest blocks that keep a warp's quads at most `max_quads`, then SPLIT_WARPS warps a block unless `warps`."""
     unit = max(1, group_size // 64)           # quads per group-aligned unit
     units = k // 64 // unit
 
@@ -140,13 +144,66 @@ def config(k: int, group_size: int, gated: bool = False, warps: int | None = Non
 
     if warps is None:
         warps = 8 if gated else 16
-        if split is None and warp_quads(1) > MAX_WARP_QUADS:
+        if split is None and warp_quads(1) > max_quads:
             warps = SPLIT_WARPS
     if split is None:
         split = 1
-        while warp_quads(split) > MAX_WARP_QUADS and split < units:
+        while warp_quads(split) > max_quads and split < units:
             split += 1
     return warps, warp_quads(split), split
+
+
+STAGE_WARPS = 8
+"""Warps a block of the staged kernel (STAGE=1: weights through shared memory)."""
+
+STAGE_WARP_QUADS = 8
+"""Quads a warp of the staged kernel takes at most (4 KiB of shared memory a warp, 8 KiB gated)."""
+
+STAGE_MODE = os.environ.get("FOURFOLD_INT4_STAGE", "auto")
+"""Which decode launches run staged: "0" none, "1" all, "auto" those of 2-8 token rows on weights whose two
+dimensions are both at least STAGE_MIN_DIM. H200, a decoder layer's four GEMVs in a CUDA graph
+(bench/int4_mma_check.py --preset llama3-8b --layers-only, same machine): at 8 rows 82.8 us a layer with the
+register kernels, 65.3 with all four staged, but 71.4 with only gate|up and down staged: a layer that mixes the two
+kinds runs slower than either, so the rule takes every weight of a wide model or none. At one row all staged is
+60.4 against 58.9 (alone the staged kernels win: gate|up 23.3 against 25.2 us), and llama-1b's shapes gain nothing
+(its layer 21.1-21.6 us all staged against 18.5-19.4)."""
+
+STAGE_MIN_DIM = 4096
+"""Both dimensions of a weight from which "auto" stages launches of 2-8 rows: every decoder weight of a model of
+width 4096 (llama3-8b), none of llama-1b's (width 2048)."""
+
+CARVEOUT = int(os.environ["FOURFOLD_INT4_CARVEOUT"]) if os.environ.get("FOURFOLD_INT4_CARVEOUT") else None
+"""FOURFOLD_INT4_CARVEOUT=P: every launch of this kernel prefers P percent of L1 as shared memory (A/B; no
+measured gain: the llama3-8b layer at one row, all staged, 64.9 us with P = 100, 60.4-60.8 without)."""
+
+
+def use_staged(out_features: int, in_features: int, rows: int) -> bool:
+    """Whether a decode launch of `rows` token rows on this weight runs staged (STAGE_MODE)."""
+    if STAGE_MODE in ("0", "1"):
+        return STAGE_MODE == "1"
+    return rows > 1 and min(out_features, in_features) >= STAGE_MIN_DIM
+
+
+def staged_config(k: int, group_size: int, gated: bool = False, warps: int = STAGE_WARPS,
+                  max_quads: int = STAGE_WARP_QUADS, split: int | None = None) -> tuple[int, int, int]:
+    """(WARPS, MAXQ, SPLIT) of the staged kernel: `warps` a block, K split over the fewest blocks that keep a warp's
+    quads at most `max_quads`."""
+    return config(k, group_size, gated, warps=warps, split=split, max_quads=max_quads)
+
+
+MAX_SHARED_BYTES = 200 * 1024
+"""Dynamic shared memory a staged launch may take (Hopper: 227 KiB a block, less the reduction's static array)."""
+
+
+def min_blocks(warps: int) -> int:
+    """MINB of a staged launch: blocks an SM must fit by registers, 512 threads' worth (so at most 128 registers a
+    thread; shared memory, not registers, then bounds how many blocks are resident)."""
+    return max(1, 16 // warps)
+
+
+def staged_shared_bytes(warps: int, maxq: int, gated: bool) -> int:
+    """Dynamic shared memory of a staged launch: each warp's quads of weight words (gate and up: twice)."""
+    return warps * maxq * (2 if gated else 1) * 512
 
 
 SPLIT_VALUES = 10
@@ -164,10 +221,11 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
                   bias: torch.Tensor | None = None, gated: bool = False, residual: torch.Tensor | None = None,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-5,
                   launch_config: tuple[int, int, int] | None = None,
-                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None, staged: bool = False) -> torch.Tensor:
     """x (.., K) bf16 @ dequant(W).T + bias; `gated`: silu(first half of the rows) * second half; `residual`:
     added (rounded as an eager residual add); `norm_weight`: x RMS-normalised (eps) and scaled by it first.
-    A launch whose config splits K across blocks needs `workspace` (split_workspace, made outside graph capture)."""
+    A launch whose config splits K across blocks needs `workspace` (split_workspace, made outside graph capture).
+    `staged`: the weights go through shared memory (STAGE=1; launch_config then defaults to staged_config)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:   # the kernel reads x in 16-byte pieces
@@ -185,7 +243,11 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
         assert res.stride(-1) == 1 and res.dtype == torch.bfloat16
     for t in (bias, norm_weight):
         assert t is None or (t.dtype == torch.bfloat16 and t.is_contiguous())
-    warps, maxq, split = launch_config or config(k, group_size, gated)
+    warps, maxq, split = launch_config or (staged_config if staged else config)(k, group_size, gated)
+    shared = staged_shared_bytes(warps, maxq, gated) if staged else 0
+    if shared > MAX_SHARED_BYTES:
+        raise ValueError(f"a staged launch of {warps} warps x {maxq} quads needs {shared} bytes of shared memory, more "
+                         f"than {MAX_SHARED_BYTES}: give fewer warps or quads a warp (staged_config)")
     partial = tickets = None
     if split > 1:
         row_blocks = words.shape[0]
@@ -196,9 +258,10 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
     use_pdl = pdl(x.device)
     defines = {"WARPS": warps, "MAXQ": maxq, "GS": group_size // 16, "SPLIT": split, "GATED": int(gated),
                "NORM": int(norm_weight is not None), "RES": int(res is not None), "BIAS": int(bias is not None),
-               "PDL": int(use_pdl)}
+               "PDL": int(use_pdl), "STAGE": int(staged), "MINB": min_blocks(warps) if staged else 1}
     kernel = nvrtc_launch.compiled_kernel(_source(), "int4_mma_gemv", defines, x.device)
     nvrtc_launch.launch(kernel, n // 16 * split, warps * 32,
                         [words, scale_words_, x2, norm_weight, bias, res, out, partial, tickets, rows, k, n, x2.stride(0),
-                         res.stride(0) if res is not None else 0, out.stride(0), float(eps)], x.device, pdl=use_pdl)
+                         res.stride(0) if res is not None else 0, out.stride(0), float(eps)], x.device, pdl=use_pdl,
+                        shared_bytes=shared, carveout=CARVEOUT)
     return out.reshape(*x.shape[:-1], n)

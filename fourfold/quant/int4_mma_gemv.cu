@@ -3,7 +3,10 @@
 //
 // Compile-time settings (-D): WARPS (warps of a block, which split K), MAXQ (most 64-wide K quads a warp
 // takes), GS (16-wide k-steps per quantization group), SPLIT (blocks that split K), GATED, NORM, RES, BIAS, PDL
-// (0/1 each). SPLIT blocks own one 16-row block of the output (GATED: the gate rows and the matching up rows);
+// (0/1 each), STAGE (0: a warp's weights wait in registers; 1: they are copied into dynamic shared memory with
+// cp.async, one commit group per quad, and x is read quad by quad: far fewer registers, so many more blocks of a
+// wide weight are resident and keep loads in flight) and MINB (blocks per SM the register budget must allow).
+// SPLIT blocks own one 16-row block of the output (GATED: the gate rows and the matching up rows);
 // with SPLIT > 1 each stores its float32 sums, and the last to finish (a ticket per row block) adds them in split
 // order, so the result does not depend on which finished last, and runs the epilogue. Each warp
 // runs mma.m16n8k16 (bf16 in, float32 sums) over its K range: the A operand is the weight, whose 8 nibbles per
@@ -16,6 +19,13 @@ typedef unsigned short u16;
 
 #define ONES 0x3F803F80u   // two bf16 1.0
 
+#ifndef STAGE
+#define STAGE 0
+#endif
+#ifndef MINB
+#define MINB 1
+#endif
+
 // Loads issued before griddepcontrol.wait must stay there: as volatile asm the compiler cannot sink them past it
 __device__ __forceinline__ uint4 load_early_v4(const uint4* p) {
     uint4 r;
@@ -27,6 +37,29 @@ __device__ __forceinline__ u32 load_early(const void* p) {
     u32 r;
     asm volatile("ld.global.u32 %0, [%1];" : "=r"(r) : "l"(p));
     return r;
+}
+
+// 16 bytes global -> shared without passing through registers (completes at a cp.async wait)
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// wait until at most `pending` of this thread's cp.async groups are still in flight (`pending` <= N; a constant
+// once the caller's loop is unrolled, so the chain folds to one instruction)
+template <int N>
+__device__ __forceinline__ void copy_wait(int pending) {
+    if constexpr (N > 0) {
+        if (pending >= N) {
+            asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+            return;
+        }
+        copy_wait<N - 1>(pending);
+    } else {
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
 }
 
 __device__ __forceinline__ u32 nibble_pair(u32 v) {
@@ -59,6 +92,31 @@ __device__ __forceinline__ u16 float_to_bf16(float f) {
 
 __device__ __forceinline__ float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+// B fragments of token row g (zero past m) for one 64-wide quad starting at column c: the lane holds
+// x[c + 8t .. +7] and x[c + 32 + 8t .. +7] (two 16-byte loads); k-step j takes 4 of them, the weight layout matching
+__device__ __forceinline__ void load_x_quad(u32 (*b)[2], const u16* x, int stride_x, int g, int t, int m, int c) {
+    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+    if (g < m) {
+        const u16* p = x + (size_t)g * stride_x + c + 8 * t;
+        lo = *(const uint4*)p;
+        hi = *(const uint4*)(p + 32);
+    }
+    b[0][0] = lo.x; b[0][1] = lo.y; b[1][0] = lo.z; b[1][1] = lo.w;
+    b[2][0] = hi.x; b[2][1] = hi.y; b[3][0] = hi.z; b[3][1] = hi.w;
+}
+
+// RMSNorm prologue of one quad: the squares of x into sq (X X^T's diagonal: A = the x rows as a 16-row tile whose
+// rows 8..15 are zero), then x times the norm weight at the lane's positions (nw: the two 16-byte pieces)
+__device__ __forceinline__ void norm_quad(u32 (*b)[2], uint4 nw_lo, uint4 nw_hi, float* sq) {
+    const u32 nw[8] = {nw_lo.x, nw_lo.y, nw_lo.z, nw_lo.w, nw_hi.x, nw_hi.y, nw_hi.z, nw_hi.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        mma_bf16(sq, b[j][0], 0u, b[j][1], 0u, b[j][0], b[j][1]);
+        b[j][0] = mul_bf16x2(b[j][0], nw[2 * j]);
+        b[j][1] = mul_bf16x2(b[j][1], nw[2 * j + 1]);
+    }
+}
+
 __device__ __forceinline__ void flush_group(float* tot, const float (*acc)[4], const float (*xs)[4], u32 sc_lo,
                                             u32 sc_hi) {
     // scale words: bf16 scale in the high half, 136 + zero point in the low half (rows g and g + 8)
@@ -79,7 +137,13 @@ __device__ __forceinline__ void flush_group(float* tot, const float (*acc)[4], c
 #define MAXG ((MAXQ * 4 + GS - 1) / GS)
 #define NRED (4 + 4 * GATED + 2 * NORM)
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+#if MINB > 1
+#define BOUNDS __launch_bounds__(WARPS * 32, MINB)
+#else
+#define BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+
+extern "C" __global__ void BOUNDS
 int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_words, const u16* x,
               const u16* __restrict__ norm_weight, const u16* __restrict__ bias, const u16* res, u16* out,
               float* partial, int* tickets,
@@ -100,12 +164,28 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
     const int row0 = rb * 16 + g, row1 = row0 + 8;
 
     // everything that does not depend on the previous kernel is loaded before waiting for it
+#if GATED
+    const int rbu = rb + up_rows / 16;
+#endif
+#if STAGE
+    // [warp][quad][gate, up][lane]: each lane copies, and later reads back, only its own 16 bytes, so the
+    // cp.async waits below need no barrier
+    extern __shared__ uint4 staged[];
+    const uint4* own = staged + (size_t)warp * MAXQ * (1 + GATED) * 32 + lane;
+#pragma unroll
+    for (int i = 0; i < MAXQ; ++i) {
+        if (i < nq) {
+            copy_async16((void*)(own + i * (1 + GATED) * 32), words + ((size_t)rb * quads + q0 + i) * 32 + lane);
+#if GATED
+            copy_async16((void*)(own + (i * 2 + 1) * 32), words + ((size_t)rbu * quads + q0 + i) * 32 + lane);
+#endif
+        }
+        copy_commit();   // one group per quad (empty past nq), so quad i waits only for its own copies
+    }
+#else
     uint4 wg[MAXQ];
-    u32 sg0[MAXG], sg1[MAXG];
 #if GATED
     uint4 wu[MAXQ];
-    u32 su0[MAXG], su1[MAXG];
-    const int rbu = rb + up_rows / 16;
 #endif
 #pragma unroll
     for (int i = 0; i < MAXQ; ++i) {
@@ -116,6 +196,11 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 #endif
         }
     }
+#endif
+    u32 sg0[MAXG], sg1[MAXG];
+#if GATED
+    u32 su0[MAXG], su1[MAXG];
+#endif
 #pragma unroll
     for (int i = 0; i < MAXG; ++i) {
         if (i < ngrp) {
@@ -127,8 +212,8 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 #endif
         }
     }
-#if NORM
-    uint4 nwq[MAXQ][2];   // the norm weight at the lane's x positions (below)
+#if NORM && !STAGE
+    uint4 nwq[MAXQ][2];   // the norm weight at the lane's x positions (load_x_quad)
 #pragma unroll
     for (int i = 0; i < MAXQ; ++i) {
         if (i < nq) {
@@ -152,8 +237,9 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 
-    // B fragments of token row g (zero past m): per 64-wide quad the lane holds x[8t .. 8t + 7] and
-    // x[32 + 8t .. 32 + 8t + 7] (two 16-byte loads); k-step j takes 4 of them, the weight layout matching
+#if !STAGE
+    // all of the warp's x at once (STAGE reads it quad by quad in the main loop); written out rather than through
+    // load_x_quad, which gave this form slightly different machine code (the same SASS as before the staged form)
     u32 xb[MAXQ * 4][2];
 #pragma unroll
     for (int i = 0; i < MAXQ; ++i) {
@@ -166,6 +252,7 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
         xb[i * 4 + 0][0] = lo.x; xb[i * 4 + 0][1] = lo.y; xb[i * 4 + 1][0] = lo.z; xb[i * 4 + 1][1] = lo.w;
         xb[i * 4 + 2][0] = hi.x; xb[i * 4 + 2][1] = hi.y; xb[i * 4 + 3][0] = hi.z; xb[i * 4 + 3][1] = hi.w;
     }
+#endif
 #if RES
     float res_v[4] = {0.f, 0.f, 0.f, 0.f};
     if (warp == 0) {
@@ -177,22 +264,13 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
     }
 #endif
 #if NORM
-    // squares of x per token: X X^T's diagonal (A = x rows as a 16-row tile whose rows 8..15 are zero)
-    float sq[4] = {0.f, 0.f, 0.f, 0.f};
+    float sq[4] = {0.f, 0.f, 0.f, 0.f};   // squares of x per token
+#if !STAGE
 #pragma unroll
     for (int i = 0; i < MAXQ; ++i) {
-        if (i < nq) {
-            const u32 nw[8] = {nwq[i][0].x, nwq[i][0].y, nwq[i][0].z, nwq[i][0].w,
-                               nwq[i][1].x, nwq[i][1].y, nwq[i][1].z, nwq[i][1].w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                u32* b = xb[i * 4 + j];
-                mma_bf16(sq, b[0], 0u, b[1], 0u, b[0], b[1]);
-                b[0] = mul_bf16x2(b[0], nw[2 * j]);
-                b[1] = mul_bf16x2(b[1], nw[2 * j + 1]);
-            }
-        }
+        if (i < nq) norm_quad(xb + i * 4, nwq[i][0], nwq[i][1], sq);
     }
+#endif
 #endif
 
     // two chains of mma sums (even and odd k-steps) so consecutive mmas do not wait for each other
@@ -203,9 +281,27 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 #pragma unroll
     for (int i = 0; i < MAXQ; ++i) {
         if (i < nq) {
-            const u32 wq[4] = {wg[i].x, wg[i].y, wg[i].z, wg[i].w};
+#if STAGE
+            u32 xq[4][2];
+            load_x_quad(xq, x, stride_x, g, t, m, (q0 + i) * 64);
+#if NORM
+            const uint4* nwp = (const uint4*)(norm_weight + (q0 + i) * 64 + 8 * t);
+            norm_quad(xq, nwp[0], nwp[4], sq);   // nwp[4]: 32 bf16 further
+#endif
+            copy_wait<MAXQ - 1>(MAXQ - 1 - i);
+            const uint4 wgi = own[i * (1 + GATED) * 32];
 #if GATED
-            const u32 uq[4] = {wu[i].x, wu[i].y, wu[i].z, wu[i].w};
+            const uint4 wui = own[(i * 2 + 1) * 32];
+#endif
+#else
+            const uint4 wgi = wg[i];
+#if GATED
+            const uint4 wui = wu[i];
+#endif
+#endif
+            const u32 wq[4] = {wgi.x, wgi.y, wgi.z, wgi.w};
+#if GATED
+            const u32 uq[4] = {wui.x, wui.y, wui.z, wui.w};
 #endif
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -223,7 +319,11 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
                         }
                     }
                 }
+#if STAGE
+                const u32* b = xq[j];
+#else
                 const u32* b = xb[step];
+#endif
                 const u32 w = wq[j];
                 mma_bf16(acc[j & 1], nibble_pair(w), nibble_pair(w >> 4), nibble_pair(w >> 8),
                          nibble_pair(w >> 12), b[0], b[1]);

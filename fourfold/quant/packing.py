@@ -166,14 +166,16 @@ class Int4WeightLinear(nn.Module):
         rows = x.numel() // self.in_features
         # one row of the gated form: the Triton GEMV is faster (H200 llama-1b: 6.0 vs 6.4 us; the other shapes
         # 2.5-4.3 us with the mma kernel against 2.5-4.5; bench/int4_mma_check.py)
-        triton_row = gated and rows <= gemv.MAX_ROWS and gemv.available()
+        staged = int4_mma.use_staged(self.out_features, self.in_features, rows)
+        triton_row = gated and rows <= gemv.MAX_ROWS and gemv.available() and not staged
         if self._uses_mma(x) and not triton_row and (norm_weight is None or norm_weight.dtype == torch.bfloat16):
             words, scale_words = self.mma_words()
-            launch = int4_mma.config(self.in_features, self.scheme.group_size, gated)
+            launch = (int4_mma.staged_config if staged else int4_mma.config)(self.in_features,
+                                                                             self.scheme.group_size, gated)
             workspace = self.mma_workspace(launch[2]) if launch[2] > 1 else None
             return int4_mma.int4_mma_gemv(x, words, scale_words, self.scheme.group_size, self.bias, gated=gated,
                                           residual=residual, norm_weight=norm_weight, eps=eps, launch_config=launch,
-                                          workspace=workspace)
+                                          workspace=workspace, staged=staged)
         return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size, self.bias,
                               gated=gated, asym=not self.scheme.symmetric, words=self.planes(), residual=residual,
                               norm_weight=norm_weight, eps=eps)
