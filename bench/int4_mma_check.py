@@ -6,11 +6,13 @@
 and against the Triton GEMV (fourfold.quant.int4_gemv, FOURFOLD_INT4_MMA off): the preset's shapes (default
 llama-1b), groups 32/64/128/256, symmetric and asymmetric, 1/2/3/8 token rows, plain, bias, residual,
 RMSNorm-prologue and gated forms; then K split over 2 and 3 blocks (int4_mma.config's SPLIT) against the same
-reference. 2. Per-kernel time of each shape at 1 and 8 rows, both kernels (the mma one also at 4/8/16/32 warps a
-block, and at 8/16 warps with K split over 1-4 blocks), each in a CUDA graph over 12 copies of the weight (more
-than L2 holds). 3. One decoder layer's matmuls and norms as the engine runs them (fused_decoder.INT4_FUSED_NORMS)
-with each kernel, and with the mma kernels' block sizes and splits swept in that chain (int4_mma.config's
-defaults come from it). Writes int4_mma_check.json.
+reference, and the staged kernel (weights through shared memory) at three configs. 2. Per-kernel time of each
+shape at 1 and 8 rows, both kernels (the mma one also at 4/8/16/32 warps a block, at 8/16 warps with K split over
+1-4 blocks, and staged at 2-8 warps and 4-32 quads a warp), each in a CUDA graph over 12 copies of the weight
+(more than L2 holds). 3. One decoder layer's matmuls and norms as the engine runs them
+(fused_decoder.INT4_FUSED_NORMS) with each kernel, with the mma kernels' block sizes and splits swept in that
+chain (int4_mma.config's defaults come from it), and with some or all of its kernels staged. Writes
+int4_mma_check.json.
 """
 
 from __future__ import annotations
@@ -66,17 +68,9 @@ def parity(results: list) -> int:
             "the mma kernel does not run here"
         for rows in (1, 2, 3, 8):
             for form in ("plain", "bias", "residual", "norm"):
-                n_out = n // 2 if gated else n
-                x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
-                nw = (torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16)
-                r = torch.randn(rows, n_out, device=DEV, dtype=torch.bfloat16)
                 mod.bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) if form == "bias" else None
-                xin = add_rms_norm(x, None, nw, 1e-5)[0] if form == "norm" else x
-                ref = xin.float() @ w.T + (mod.bias.float() if form == "bias" else 0)
-                ref = F.silu(ref[:, :n // 2]) * ref[:, n // 2:] if gated else ref
-                ref = ref + r.float() if form == "residual" else ref
-                kw = dict(gated=gated, residual=r if form == "residual" else None,
-                          norm_weight=nw if form == "norm" else None, eps=1e-5)
+                x, kw, ref = reference_case(w, n, k, gated, rows, form, mod.bias)
+                r = kw["residual"]
                 y = with_mma(True, lambda: mod.decode(x, **kw))
                 y_triton = with_mma(False, lambda: mod.decode(x[:1], **{**kw, "residual": r[:1] if form == "residual"
                                                                       else None}))
@@ -88,39 +82,65 @@ def parity(results: list) -> int:
                 print(f"{'ok  ' if ok else 'FAIL'} {scheme:15s} {shape:8s} x{rows} {form:8s} rel err {err:.2e}"
                       f" | vs triton (row 0) {err_triton:.2e}")
         del mod, w
-    return failed + split_parity(results)
+    return failed + launch_parity(results)
 
 
-def split_parity(results: list) -> int:
-    """K split over 2 and 3 blocks (a ticket per row block, float32 partials) against the float32 reference."""
+def reference_case(w: torch.Tensor, n: int, k: int, gated: bool, rows: int, form: str, bias: torch.Tensor | None = None):
+    """Inputs of one parity case and the float32 reference: (x, decode kwargs, reference); form is plain, bias
+    (pass `bias`), residual or norm."""
+    n_out = n // 2 if gated else n
+    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+    nw = (torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16)
+    r = torch.randn(rows, n_out, device=DEV, dtype=torch.bfloat16)
+    xin = add_rms_norm(x, None, nw, 1e-5)[0] if form == "norm" else x
+    ref = xin.float() @ w.T + (bias.float() if form == "bias" else 0)
+    ref = F.silu(ref[:, :n // 2]) * ref[:, n // 2:] if gated else ref
+    ref = ref + r.float() if form == "residual" else ref
+    kw = dict(gated=gated, residual=r if form == "residual" else None, norm_weight=nw if form == "norm" else None,
+              eps=1e-5)
+    return x, kw, ref
+
+
+def launch_parity(results: list) -> int:
+    """Launch configs the engine does not pick by default, against the float32 reference: K split over 2 and 3
+    blocks (a ticket per row block, float32 partials), and the staged kernel (weights through shared memory) at
+    4/16, 2/8 and 8/32 warps/quads a warp, split or not as staged_config gives (its default, 8/8, is what parity()
+    checks wherever int4_mma.use_staged picks it)."""
     failed = 0
     for shape, (n, k) in SHAPES.items():
         gated = shape == "gate_up"
         mod, w = module(n, k, "int4-g128-asym")
-        for split in (2, 3):
-            launch = int4_mma.config(k, 128, gated, split=split)
-            for rows in (1, 8):
-                for form in (("norm",) if gated else ("residual", "norm")):
-                    n_out = n // 2 if gated else n
-                    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
-                    nw = (torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16)
-                    r = torch.randn(rows, n_out, device=DEV, dtype=torch.bfloat16)
-                    xin = add_rms_norm(x, None, nw, 1e-5)[0] if form == "norm" else x
-                    ref = xin.float() @ w.T
-                    ref = F.silu(ref[:, :n // 2]) * ref[:, n // 2:] if gated else ref
-                    ref = ref + r.float() if form == "residual" else ref
+        launches = [(f"split {sp}", int4_mma.config(k, 128, gated, split=sp), False) for sp in (2, 3)]
+        launches += [(f"staged w{wp} q{mq}", int4_mma.staged_config(k, 128, gated, warps=wp, max_quads=mq), True)
+                     for wp, mq in ((4, 16), (2, 8), (8, 32))]
+        for label, launch, staged in launches:
+            for rows in (1, 3, 8):
+                for form in (("norm", "bias") if gated else ("residual", "norm", "bias")):
+                    mod.bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) if form == "bias" else None
+                    x, kw, ref = reference_case(w, n, k, gated, rows, form, mod.bias)
                     for repeat in range(2):   # the second launch finds the tickets the first one left at zero
-                        y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, gated=gated,
-                                                   residual=r if form == "residual" else None,
-                                                   norm_weight=nw if form == "norm" else None, launch_config=launch,
-                                                   workspace=mod.mma_workspace(split))
+                        y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, mod.bias, launch_config=launch,
+                                                   workspace=mod.mma_workspace(launch[2]), staged=staged, **kw)
                     err = rel_err(y, ref)
                     failed += not err < TOL
                     results.append({"scheme": "int4-g128-asym", "shape": shape, "rows": rows, "form": form,
-                                    "split": split, "rel_err": err})
-                    print(f"{'ok  ' if err < TOL else 'FAIL'} split {split} {shape:8s} x{rows} {form:8s} rel err {err:.2e}")
+                                    "launch": label, "config": launch, "rel_err": err})
+                    print(f"{'ok  ' if err < TOL else 'FAIL'} {label:16s} {str(launch):12s} {shape:8s} x{rows} {form:8s} "
+                          f"rel err {err:.2e}")
+        mod.bias = None
         del mod, w
     return failed
+
+
+def staged_configs(k: int, gated: bool) -> dict[str, tuple[int, int, int]]:
+    """The staged kernel's sweep for one shape: 2-8 warps a block, 4-32 quads a warp at most (distinct configs)."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for warps in (2, 4, 8):
+        for max_quads in (4, 8, 16, 32):
+            cfg = int4_mma.staged_config(k, 128, gated, warps=warps, max_quads=max_quads)
+            if cfg not in out.values():
+                out[f"staged_w{warps}_q{cfg[1]}_s{cfg[2]}"] = cfg
+    return out
 
 
 def kernel_timing(results: list, copies: int = 12) -> None:
@@ -145,6 +165,10 @@ def kernel_timing(results: list, copies: int = 12) -> None:
                     row[f"mma_w{warps}_s{split}"] = graph_us([lambda m=m: int4_mma.int4_mma_gemv(
                         x, *m.mma_words(), 128, gated=gated, launch_config=cfg, workspace=m.mma_workspace(split))
                         for m in mods])
+            for label, cfg in staged_configs(k, gated).items():   # weights through shared memory
+                row[label] = graph_us([lambda m=m: int4_mma.int4_mma_gemv(
+                    x, *m.mma_words(), 128, gated=gated, launch_config=cfg, workspace=m.mma_workspace(cfg[2]),
+                    staged=True) for m in mods])
             results.append(row)
             print(f"{name:8s} x{rows}: " + ", ".join(f"{lb} {us:.2f} us" for lb, us in row.items()
                                                      if lb not in ("shape", "rows")))
@@ -183,6 +207,13 @@ LAYER_CONFIGS = {   # (warps, split) of q|k|v, o, down; None: int4_mma.config's 
 }
 
 
+STAGED_LAYERS = {   # kernels of the layer run staged (int4_mma.staged_config's default); the others as the engine does
+    "staged gate|up": ("gate_up",),
+    "staged gate|up, down": ("gate_up", "down"),
+    "staged all": ("qkv", "o", "gate_up", "down"),
+}
+
+
 def layer_configs(results: list, mods: list, nw: torch.Tensor) -> None:
     """Block sizes and K splits of the q|k|v, o and down kernels timed in the layer's chain (each kernel's
     neighbours change how much of its wait it hides, so a kernel repeated alone can prefer another size); gate|up
@@ -198,6 +229,18 @@ def layer_configs(results: list, mods: list, nw: torch.Tensor) -> None:
         h = gemv(L, "o", att, c_o, residual=x)
         return gemv(L, "down", L["gate_up"].decode(h, gated=True, norm_weight=nw), c_down, residual=h)
 
+    def staged_layer(L, x, att, which):
+        def run(name, x, **kw):
+            if name not in which:
+                return L[name].decode(x, **kw)
+            k = SHAPES[name][1]
+            cfg = int4_mma.staged_config(k, 128, kw.get("gated", False))
+            return int4_mma.int4_mma_gemv(x, *L[name].mma_words(), 128, launch_config=cfg,
+                                          workspace=L[name].mma_workspace(cfg[2]), staged=True, **kw)
+        run("qkv", x, norm_weight=nw)
+        h = run("o", att, residual=x)
+        return run("down", run("gate_up", h, gated=True, norm_weight=nw), residual=h)
+
     dim = SHAPES["o"][0]
     for rows in (1, 8):
         x = torch.randn(rows, dim, device=DEV, dtype=torch.bfloat16)
@@ -205,6 +248,8 @@ def layer_configs(results: list, mods: list, nw: torch.Tensor) -> None:
         row = {"rows": rows}
         for label, cfgs in LAYER_CONFIGS.items():
             row[label] = graph_us([lambda L=L: layer(L, x, att, *cfgs) for L in mods])
+        for label, which in STAGED_LAYERS.items():
+            row[label] = graph_us([lambda L=L: staged_layer(L, x, att, which) for L in mods])
         results.append(row)
         print(f"layer at {rows} rows by block size and split: " + ", ".join(f"{lb} {us:.2f} us" for lb, us in row.items()
                                                                             if lb != "rows"))
@@ -214,6 +259,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/int4-mma-check")
     p.add_argument("--preset", default="llama-1b", choices=sorted(PRESETS))
+    p.add_argument("--layers-only", action="store_true", help="only part 3 (the decoder layer's chain)")
     a = p.parse_args()
     SHAPES.update(preset_shapes(a.preset))
     if not torch.cuda.is_available():
@@ -222,13 +268,16 @@ def main() -> int:
     start = time.time()
     torch.manual_seed(0)
     checks, kernels, layer = [], [], []
-    failed = parity(checks)
-    print(f"{len(checks) - failed}/{len(checks)} parity checks passed ({time.time() - start:.0f}s)")
-    kernel_timing(kernels)
+    failed = 0
+    if not a.layers_only:
+        failed = parity(checks)
+        print(f"{len(checks) - failed}/{len(checks)} parity checks passed ({time.time() - start:.0f}s)")
+        kernel_timing(kernels)
     layer_timing(layer)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "int4_mma_check.json").write_text(json.dumps({"device": torch.cuda.get_device_name(DEV), "preset": a.preset,
+                                                         "stage_mode": int4_mma.STAGE_MODE, "carveout": int4_mma.CARVEOUT,
                                                          "parity": checks, "kernels": kernels, "layer": layer},
                                                         indent=1))
     print(f"wrote {out / 'int4_mma_check.json'} in {time.time() - start:.0f}s")
