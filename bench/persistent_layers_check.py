@@ -30,10 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_check import graph_us, rel_err  # noqa: E402
 from int4_gemv_check import DEV, DIM, FFN, QKV, module  # noqa: E402
-from int4_mma_check import SHAPES  # noqa: E402
+from int4_mma_check import preset_shapes  # noqa: E402
 
 from fourfold.ops import nvrtc_launch  # noqa: E402
 from fourfold.quant import int4_mma  # noqa: E402
+
+SHAPES = preset_shapes("llama-1b")   # the kernel's DIM / FFN / QKV
 
 EPS = 1e-5
 VARIANTS = {"flag barrier": {}, "atomic barrier": {"FLAG_BARRIER": 0},
