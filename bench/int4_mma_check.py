@@ -101,6 +101,13 @@ def reference_case(w: torch.Tensor, n: int, k: int, gated: bool, rows: int, form
     return x, kw, ref
 
 
+def run_launch(mod, x: torch.Tensor, cfg: tuple[int, int, int], staged: bool = False, **kw) -> torch.Tensor:
+    """x through `mod`'s int4 words (group 128) at launch config `cfg`, register or staged form, with the
+    workspace of cfg's split and `mod`'s bias."""
+    return int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, mod.bias, launch_config=cfg,
+                                  workspace=mod.mma_workspace(cfg[2]), staged=staged, **kw)
+
+
 def launch_parity(results: list) -> int:
     """Launch configs the engine does not pick by default, against the float32 reference: K split over 2 and 3
     blocks (a ticket per row block, float32 partials), and the staged kernel (weights through shared memory) at
@@ -119,8 +126,7 @@ def launch_parity(results: list) -> int:
                     mod.bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) if form == "bias" else None
                     x, kw, ref = reference_case(w, n, k, gated, rows, form, mod.bias)
                     for repeat in range(2):   # the second launch finds the tickets the first one left at zero
-                        y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, mod.bias, launch_config=launch,
-                                                   workspace=mod.mma_workspace(launch[2]), staged=staged, **kw)
+                        y = run_launch(mod, x, launch, staged, **kw)
                     err = rel_err(y, ref)
                     failed += not err < TOL
                     results.append({"scheme": "int4-g128-asym", "shape": shape, "rows": rows, "form": form,
@@ -156,19 +162,14 @@ def kernel_timing(results: list, copies: int = 12) -> None:
                 row[label] = with_mma(enabled, lambda: graph_us([lambda m=m: m.decode(x, gated=gated) for m in mods]))
             for warps in (4, 8, 16, 32):   # block sizes of the mma kernel
                 cfg = int4_mma.config(k, 128, gated, warps=warps)
-                row[f"mma_w{warps}"] = graph_us([lambda m=m: int4_mma.int4_mma_gemv(
-                    x, *m.mma_words(), 128, gated=gated, launch_config=cfg, workspace=m.mma_workspace(cfg[2]))
-                    for m in mods])
+                row[f"mma_w{warps}"] = graph_us([lambda m=m: run_launch(m, x, cfg, gated=gated) for m in mods])
             for warps in (8, 16):          # K split over blocks
                 for split in (1, 2, 3, 4):
                     cfg = int4_mma.config(k, 128, gated, warps=warps, split=split)
-                    row[f"mma_w{warps}_s{split}"] = graph_us([lambda m=m: int4_mma.int4_mma_gemv(
-                        x, *m.mma_words(), 128, gated=gated, launch_config=cfg, workspace=m.mma_workspace(split))
-                        for m in mods])
+                    row[f"mma_w{warps}_s{split}"] = graph_us([lambda m=m: run_launch(m, x, cfg, gated=gated)
+                                                              for m in mods])
             for label, cfg in staged_configs(k, gated).items():   # weights through shared memory
-                row[label] = graph_us([lambda m=m: int4_mma.int4_mma_gemv(
-                    x, *m.mma_words(), 128, gated=gated, launch_config=cfg, workspace=m.mma_workspace(cfg[2]),
-                    staged=True) for m in mods])
+                row[label] = graph_us([lambda m=m: run_launch(m, x, cfg, True, gated=gated) for m in mods])
             results.append(row)
             print(f"{name:8s} x{rows}: " + ", ".join(f"{lb} {us:.2f} us" for lb, us in row.items()
                                                      if lb not in ("shape", "rows")))
@@ -220,9 +221,8 @@ def layer_configs(results: list, mods: list, nw: torch.Tensor) -> None:
     as the engine runs it (Triton at one row, the mma kernel at 8 where it takes the shape)."""
     def gemv(L, name, x, cfg, **kw):
         k = SHAPES[name][1]
-        launch = int4_mma.config(k, 128, **(dict(zip(("warps", "split"), cfg)) if cfg else {}))
-        return int4_mma.int4_mma_gemv(x, *L[name].mma_words(), 128, launch_config=launch,
-                                      workspace=L[name].mma_workspace(launch[2]), **kw)
+        return run_launch(L[name], x, int4_mma.config(k, 128, **(dict(zip(("warps", "split"), cfg)) if cfg else {})),
+                          **kw)
 
     def layer(L, x, att, c_qkv, c_o, c_down):
         gemv(L, "qkv", x, c_qkv, norm_weight=nw)
@@ -234,9 +234,7 @@ def layer_configs(results: list, mods: list, nw: torch.Tensor) -> None:
             if name not in which:
                 return L[name].decode(x, **kw)
             k = SHAPES[name][1]
-            cfg = int4_mma.staged_config(k, 128, kw.get("gated", False))
-            return int4_mma.int4_mma_gemv(x, *L[name].mma_words(), 128, launch_config=cfg,
-                                          workspace=L[name].mma_workspace(cfg[2]), staged=True, **kw)
+            return run_launch(L[name], x, int4_mma.staged_config(k, 128, kw.get("gated", False)), True, **kw)
         run("qkv", x, norm_weight=nw)
         h = run("o", att, residual=x)
         return run("down", run("gate_up", h, gated=True, norm_weight=nw), residual=h)
