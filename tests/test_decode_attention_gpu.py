@@ -149,12 +149,18 @@ def test_same_pool_and_output_as_rotary_then_paged_attention(seq_lens, hq, hkv, 
     with monkeypatch.context() as m:
         m.setattr(fused_ops, "_use_triton", lambda x: False)
         k_torch, v_torch = torch_rotary_pool(c)
-    assert torch.equal(k_new.cpu(), k_torch) and torch.equal(v_new.cpu(), v_torch)
-    assert got.shape == want.shape and got.dtype == want.dtype
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    if DEVICE == "cpu":
+        assert torch.equal(k_new, k_torch) and torch.equal(v_new, v_torch)
+    else:  # compiled, the products may fuse into FMAs: one rounding step of the dtype apart at most
+        torch.testing.assert_close(k_new.cpu(), k_torch, **tol)
+        torch.testing.assert_close(v_new.cpu(), v_torch, **tol)
+    assert got.shape == want.shape and got.dtype == want.dtype
     if DEVICE == "cpu":
         assert torch.equal(got, want)  # same split count: the old path's arithmetic
     torch.testing.assert_close(got.cpu().float(), want.cpu().float(), **tol)
+    if DEVICE == "cuda" and dtype == torch.float32:
+        tol = dict(atol=2e-3, rtol=2e-3)  # float32 tl.dot runs in TF32 on the GPU; the reference in float32
     torch.testing.assert_close(got.cpu().float(), exact.float(), **tol)
 
 
@@ -206,6 +212,8 @@ def test_split_count_depends_on_shapes_only(monkeypatch):
     assert not decode_attention_gpu.supports(24, 4, 2) and not decode_attention_gpu.supports(16, 6, 4)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU tensors through Triton's interpreter; on a GPU the same path runs "
+                    "end to end in bench/engine_parity_gpu.py")
 def test_fused_decoder_decode_step_through_with_rotary(monkeypatch):
     # The runner's with_rotary (normally attached on CUDA) gives the fused decoder the same logits and pool.
     torch.manual_seed(0)
