@@ -36,6 +36,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from fourfold.infer.argmax_gpu import argmax_rows
+from fourfold.infer.argmax_gpu import available as argmax_gpu_runs
 from fourfold.infer.requests import SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -58,9 +60,18 @@ def penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
+def plain_greedy(params: Sequence[SamplingParams]) -> bool:
+    """Whether every row just takes its argmax: temperature 0, no penalties, no logprobs (then a decode graph's
+    own argmax, ModelRunner.forward_greedy, gives the same tokens as `Sampler.sample`)."""
+    return all(p.temperature == 0 and not penalised(p) and p.logprobs is None for p in distinct(params))
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Index of each row's first maximum; on CPU through `max` (the same index as argmax, three times faster there)."""
-    return logits.argmax(dim=-1) if logits.is_cuda else logits.max(dim=-1).indices
+    """Index of each row's first maximum: on CUDA fourfold.infer.argmax_gpu's kernel where it runs, on CPU
+    through `max` (the same index as argmax, three times faster there)."""
+    if logits.is_cuda:
+        return argmax_rows(logits) if argmax_gpu_runs(logits) else logits.argmax(dim=-1)
+    return logits.max(dim=-1).indices
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
