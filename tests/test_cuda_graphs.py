@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,3 +89,44 @@ def test_padded_steps_match_the_unpadded_step_and_touch_only_scratch():
     assert not graphs.can_run(prefill)
     too_wide = decode_step([30], [[0, 1, 2, 3, 4, 5, 6, 7]], [1])
     assert not graphs.can_run(too_wide)
+
+
+def host_arrays(st) -> tuple:
+    """A step as host_step's seven numpy arrays."""
+    return tuple(t.numpy() for t in fields(st))
+
+
+def cpu_upload(values: np.ndarray, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    return out[:len(values)].copy_(torch.from_numpy(values))
+
+
+def test_staged_steps_run_without_a_load_and_give_the_argmax():
+    model = ToyModel()
+    model.k_pool[:NUM_BLOCKS].normal_(generator=torch.Generator().manual_seed(3))
+    model.v_pool[:NUM_BLOCKS].normal_(generator=torch.Generator().manual_seed(4))
+    graphs = DecodeGraphs(model.forward, max_batch=8, max_blocks=5, block_size=BLOCK_SIZE,
+                          scratch_block=NUM_BLOCKS, device=torch.device("cpu"), batch_sizes=(1, 2, 4, 8))
+    big = decode_step([9, 3, 5, 14, 2, 4, 6], [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10], [11], [12, 13]],
+                      [1, 2, 3, 4, 5, 6, 7])
+    small = decode_step([10, 6, 7, 3, 2], [[0, 1, 2], [4, 5], [11, 3], [14], [15]], [7, 8, 9, 10, 1])
+    for st in (big, small):  # the small step must re-pad the rows the big one filled (both in the 8 bucket)
+        staged = graphs.stage(host_arrays(st), cpu_upload)
+        inputs = graphs.inputs[8]
+        assert inputs.holds(staged) and staged.block_tables.shape == (len(st.seq_lens), 5)
+        inputs.load = None  # run must not load a staged step
+        saved_k = model.k_pool.clone()
+        expected = model.forward(*fields(st))
+        model.k_pool.copy_(saved_k)
+        got = graphs.run(staged)
+        torch.testing.assert_close(got, expected)
+        assert torch.equal(graphs.greedy_ids(), expected.argmax(dim=-1))
+        n = len(st.seq_lens)
+        assert inputs.tokens[n:].eq(0).all() and inputs.positions[n:].eq(0).all()
+        assert inputs.slot_mapping[n:].eq(NUM_BLOCKS * BLOCK_SIZE).all() and inputs.seq_lens[n:].eq(1).all()
+        assert inputs.block_tables[n:].eq(NUM_BLOCKS).all() and inputs.block_tables[:n, 4].eq(NUM_BLOCKS).all()
+        del inputs.load
+    prefill = SimpleNamespace(**{**vars(small), "tokens": torch.tensor([1, 2, 3, 4, 5, 6]),
+                                 "positions": torch.arange(6), "slot_mapping": torch.arange(6),
+                                 "query_start": torch.tensor([0, 2, 3, 4, 5, 6], dtype=torch.int32)})
+    assert graphs.stage(host_arrays(prefill), cpu_upload) is None
+    assert graphs.stage(host_arrays(decode_step([30], [[0, 1, 2, 3, 4, 5, 6, 7]], [1])), cpu_upload) is None

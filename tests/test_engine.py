@@ -101,7 +101,15 @@ def test_decode_through_padded_graph_buffers_equals_hugging_face(twin):
     runner.graphs = DecodeGraphs(lambda *t: runner.decode_forward(StepTensors(*t)), max_batch=8, max_blocks=16,
                                  block_size=4, scratch_block=runner.pool.scratch_block, device="cpu",
                                  batch_sizes=(2, 8))
+    staged, greedy = [], []
+    stage, forward_greedy = runner.graphs.stage, runner.forward_greedy
+    runner.graphs.stage = lambda *a: staged.append(stage(*a)) or staged[-1]
+    runner.forward_greedy = lambda st: greedy.append(forward_greedy(st)) or greedy[-1]
     check_against_hf(twin, engine, PROMPTS[:3])
+    # every decode step went into the graph buffers by stage and took the graph's argmax, prefills did neither
+    decodes = [st for st in staged if st is not None]
+    assert decodes and len(decodes) == len([ids for ids in greedy if ids is not None])
+    assert len(staged) - len(decodes) == len(greedy) - len(decodes) >= 1
 
 
 def test_blocks_are_all_free_after_finished_aborted_and_preempted_requests(twin):

@@ -20,6 +20,15 @@ A padded row writes its key and value to slot 0 of the scratch block, reads only
 logits are dropped, so real sequences never see it. `compile=True` first wraps `forward` in
 torch.compile without its own CUDA graphs (we capture ours); leave it off unless a benchmark says it pays.
 
+Two shortcuts for the engine's runner, where a step's wall time at batch 1 is ~0.5 ms of graph and
+every other kernel or copy around it costs a few microseconds:
+- `stage(arrays, upload)` puts a decode step's host arrays (fourfold.infer.step_tensors.host_step),
+  padded on the host, straight into the graph's static buffers: two copies from pinned memory (tokens,
+  positions and slots; block tables and lengths) instead of two uploads and six device copies in `load`.
+  `run` sees the staged step (its tensors are views of the buffers) and loads nothing.
+- every graph also takes the argmax of its logits (the sampler's greedy_argmax), so `greedy_ids()` after
+  `run` gives the greedy tokens of the step without a float32 copy of the logits or a kernel outside the graph.
+
 On CPU nothing is captured: `run` executes `forward` on the same padded buffers, so the tests check
 the padding on CPU and the GPU adds only the capture.
 """
@@ -28,7 +37,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
+
+from fourfold.infer.sampler import greedy_argmax
+from fourfold.infer.step_tensors import StepTensors
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -50,13 +63,17 @@ class StaticDecodeInputs:
     """The fixed buffers one graph reads, for a batch of `batch` sequences with `max_blocks` table entries."""
 
     def __init__(self, batch: int, max_blocks: int, scratch_block: int, block_size: int, device: torch.device):
-        self.batch, self.scratch_block = batch, scratch_block
+        self.batch, self.max_blocks, self.scratch_block = batch, max_blocks, scratch_block
         self.scratch_slot = scratch_block * block_size
-        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((batch,), self.scratch_slot, dtype=torch.long, device=device)
-        self.block_tables = torch.full((batch, max_blocks), scratch_block, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
+        # two flat buffers, so a staged step arrives in two copies: int64 tokens | positions | slots, and
+        # int32 block tables | sequence lengths
+        self.wide = torch.zeros(3 * batch, dtype=torch.long, device=device)
+        self.narrow = torch.full((batch * max_blocks + batch,), scratch_block, dtype=torch.int32, device=device)
+        self.tokens, self.positions, self.slot_mapping = self.wide.view(3, batch).unbind(0)
+        self.slot_mapping.fill_(self.scratch_slot)
+        self.block_tables = self.narrow[:batch * max_blocks].view(batch, max_blocks)
+        self.seq_lens = self.narrow[batch * max_blocks:]
+        self.seq_lens.fill_(1)
         self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)  # one query each
         self.logits_for = torch.arange(batch, dtype=torch.long, device=device)  # every row samples
 
@@ -81,6 +98,29 @@ class StaticDecodeInputs:
             self.seq_lens[n:].fill_(1)
         return n
 
+    def host_buffers(self, tokens, positions, slots, tables, lens) -> tuple[np.ndarray, np.ndarray]:
+        """The contents of `wide` and `narrow` for a decode step of S <= batch sequences (host_step's
+        arrays), its rows past S padded as `load` pads them."""
+        n, width, b = len(tokens), tables.shape[1], self.batch
+        wide = np.zeros(3 * b, dtype=np.int64)
+        wide[:n], wide[b:b + n], wide[2 * b:2 * b + n] = tokens, positions, slots
+        wide[2 * b + n:] = self.scratch_slot
+        narrow = np.full(b * self.max_blocks + b, self.scratch_block, dtype=np.int32)
+        narrow[:b * self.max_blocks].reshape(b, self.max_blocks)[:n, :width] = tables
+        narrow[b * self.max_blocks:] = 1
+        narrow[b * self.max_blocks:b * self.max_blocks + n] = lens
+        return wide, narrow
+
+    def step_views(self, n: int) -> StepTensors:
+        """The first `n` sequences' rows of the buffers, as the step `stage` hands back."""
+        return StepTensors(self.tokens[:n], self.positions[:n], self.slot_mapping[:n], self.block_tables[:n],
+                           self.seq_lens[:n], self.query_start[:n + 1], self.logits_for[:n])
+
+    def holds(self, st) -> bool:
+        """Whether `st` is a step staged into these buffers (its tensors are their views)."""
+        return (st.tokens.data_ptr() == self.tokens.data_ptr()
+                and st.block_tables.data_ptr() == self.block_tables.data_ptr())
+
 
 class DecodeGraphs:
     """Captured decode steps at a set of batch sizes (see the module docstring for the calling pattern)."""
@@ -93,9 +133,11 @@ class DecodeGraphs:
         self.sizes = batch_sizes_up_to(max_batch, batch_sizes)
         self.inputs = {b: StaticDecodeInputs(b, max_blocks, scratch_block, block_size, self.device) for b in self.sizes}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.argmax: dict[int, torch.Tensor] = {}  # each graph's greedy ids, (B,) int64
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.warmup_runs = warmup_runs
         self.use_graphs = self.device.type == "cuda"
+        self._last: tuple[int, int] | None = None  # (bucket, sequences) of the last run
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -113,6 +155,7 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[b] = self.forward(*args)
+                    self.argmax[b] = greedy_argmax(self.outputs[b])
                 self.graphs[b] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -123,13 +166,38 @@ class DecodeGraphs:
         return (n_tokens == n_seqs and st.logits_for.shape[0] == n_seqs and n_seqs <= self.sizes[-1]
                 and st.block_tables.shape[1] <= self.max_blocks and (not self.use_graphs or bool(self.graphs)))
 
+    def stage(self, arrays: Sequence[np.ndarray], upload: Callable[..., torch.Tensor]) -> StepTensors | None:
+        """Copy a decode step's host arrays (host_step's seven) into its graph's static buffers through
+        `upload(values, dtype, out=buffer)`; the step as views of those buffers, or None when no graph runs it."""
+        tokens, positions, slots, tables, lens, _, logits_for = arrays
+        n = len(lens)
+        if not (len(tokens) == n == len(logits_for) and 0 < n <= self.sizes[-1] and tables.shape[1] <= self.max_blocks
+                and (not self.use_graphs or bool(self.graphs))):
+            return None
+        inputs = self.inputs[bucket_for(n, self.sizes)]
+        wide, narrow = inputs.host_buffers(tokens, positions, slots, tables, lens)
+        upload(wide, torch.long, out=inputs.wide)
+        upload(narrow, torch.int32, out=inputs.narrow)
+        return inputs.step_views(n)
+
     @torch.inference_mode()
     def run(self, st) -> torch.Tensor:
         """Logits (S, vocab) of a decode step; on CUDA a view of the graph's output, overwritten by the next run."""
         batch = bucket_for(st.seq_lens.shape[0], self.sizes)
         inputs = self.inputs[batch]
-        n = inputs.load(st)
+        n = st.seq_lens.shape[0] if inputs.holds(st) else inputs.load(st)
+        self._last = (batch, n)
         if not self.use_graphs:
-            return self.forward(*inputs.as_args())[:n]
+            self.outputs[batch] = self.forward(*inputs.as_args())
+            return self.outputs[batch][:n]
         self.graphs[batch].replay()
         return self.outputs[batch][:n]
+
+    @torch.inference_mode()
+    def greedy_ids(self) -> torch.Tensor:
+        """(S,) int64: the index of each row's first maximum logit in the last `run` (on CUDA computed inside
+        the graph, a view overwritten by the next run)."""
+        batch, n = self._last
+        if not self.use_graphs:
+            return greedy_argmax(self.outputs[batch][:n])
+        return self.argmax[batch][:n]

@@ -41,7 +41,7 @@ from fourfold.infer.model_runner import ModelRunner
 from fourfold.infer.pipeline_runner import PipelineRunner
 from fourfold.infer.request_state import RequestState, apply_tokens, build_outputs
 from fourfold.infer.requests import EngineStats, RequestOutput, SamplingParams
-from fourfold.infer.sampler import Sampler
+from fourfold.infer.sampler import Sampler, plain_greedy
 from fourfold.infer.scheduler import Scheduler
 from fourfold.infer.sequence import Sequence
 
@@ -189,13 +189,18 @@ class LLMEngine:
         st = self.runner.prepare(chunks, self.blocks.rows)
         if previous is not None:
             self._fill_placeholders(st, chunks, previous, self.scheduler.preemptions == preemptions)
-        logits = self.runner.forward(st)
-        self.scheduler.after_step(chunks)
         sampling = [c.seq for c in chunks if c.samples]
+        params = [s.params for s in sampling]
+        token_ids = self.runner.forward_greedy(st) if sampling and plain_greedy(params) else None
+        logits = self.runner.forward(st) if token_ids is None else None
+        self.scheduler.after_step(chunks)
         if not sampling:
             return None
         outs = [s.output_ids for s in sampling]
-        token_ids, logprobs = self.sampler.sample(logits, [s.params for s in sampling], outs)
+        if token_ids is None:
+            token_ids, logprobs = self.sampler.sample(logits, params, outs)
+        else:
+            logprobs = [None] * len(sampling)
         reqs = [self.requests[s.request_id] for s in sampling]
         slots = [len(o) for o in outs]
         for o in outs:

@@ -2,6 +2,7 @@
 
     st = runner.prepare(chunks)           # host-side: tokens, positions, slot mapping, block tables, ...
     logits = runner.forward(st)           # (sequences that sample, vocab), float32
+    ids = runner.forward_greedy(st)       # decode steps a CUDA graph replays: greedy ids, argmax in the graph
 
 The model runs once per step on all scheduled tokens flattened into one row, tokens (1, T) and
 positions (1, T) (varlen: no padding between sequences), with `logits_for` picking the last token of
@@ -11,7 +12,8 @@ it over static StepTensors padded to a fixed batch size. With `fuse=True` (on CU
 fourfold Llama runs through fourfold.infer.fused_decoder (fused q|k|v and gate|up weights, fused
 elementwise kernels); tensor-parallel and pipeline models keep the model's own forward. The step's index
 arrays are built with numpy (fourfold.infer.step_tensors.host_step); on CUDA they go up in two
-non-blocking copies from pinned host buffers.
+non-blocking copies from pinned host buffers, for a decode step a graph replays straight into the graph's
+static buffers (DecodeGraphs.stage).
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ class ModelRunner:
         `rows`: the block manager's BlockRows, where the step's block tables are gathered from.
         """
         arrays = host_step(chunks, self.pool.block_size, self.pool.scratch_block, rows)
+        if self.graphs is not None:  # a decode step a graph replays goes straight into the graph's buffers
+            staged = self.graphs.stage(arrays, self.upload)
+            if staged is not None:
+                return staged
         if self.device.type == "cpu":
             return StepTensors(*(torch.from_numpy(a) for a in arrays))
         tokens, positions, slots, tables, lens, starts, logits_for = arrays
@@ -84,15 +90,17 @@ class ModelRunner:
         return StepTensors(wide[:t], wide[t:2 * t], wide[2 * t:3 * t], narrow[:s * w].view(s, w),
                            narrow[s * w:s * w + s], narrow[s * w + s:], wide[3 * t:3 * t + r])
 
-    def upload(self, values: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """`values` on the device; on CUDA through pinned host buffers and one non-blocking copy.
+    def upload(self, values: list[int] | np.ndarray, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """`values` on the device (copied into the front of `out` when given, else a new tensor); on CUDA through
+        pinned host buffers and one non-blocking copy.
 
         A copy waits in the stream behind the step before it, so each dtype has a ring of buffers and a
         buffer is refilled only once its copy has run (several uploads later: no wait in practice).
         """
         host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
         if self.device.type != "cuda":
-            return host.to(self.device)
+            return host.to(self.device) if out is None else out[:host.numel()].copy_(host)
         ring = self._pinned.setdefault(dtype, [])
         turn = self._upload_turn.get(dtype, 0)
         self._upload_turn[dtype] = (turn + 1) % UPLOAD_RING
@@ -103,7 +111,10 @@ class ModelRunner:
         if done is not None:
             done.synchronize()
         buf[:host.numel()].copy_(host)
-        out = buf[:host.numel()].to(self.device, non_blocking=True)
+        if out is None:
+            out = buf[:host.numel()].to(self.device, non_blocking=True)
+        else:
+            out = out[:host.numel()].copy_(buf[:host.numel()], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         ring[turn] = (buf, event)
@@ -181,3 +192,11 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(st):
             return self.graphs.run(st).float()
         return self.decode_forward(st).float()
+
+    def forward_greedy(self, st: StepTensors) -> torch.Tensor | None:
+        """For a step a graph replays: runs it and returns each sequence's greedy token (int64, the argmax taken
+        inside the graph, no float32 logits made). Other steps: None, and nothing runs (call `forward`)."""
+        if self.graphs is None or not self.graphs.can_run(st):
+            return None
+        self.graphs.run(st)
+        return self.graphs.greedy_ids()
