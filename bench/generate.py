@@ -125,7 +125,51 @@ def wire_decode_graphs(llm, args) -> str:
         return graphs.run(st).float() if graphs.can_run(st) else eager(st)
 
     runner.forward = forward
+    runner.bench_graphs = graphs
     return "bench-wired DecodeGraphs" + (" + compile" if args.compile_decode else "")
+
+
+def decode_ms_per_step(llm, args, vocab: int, long_elapsed: float | None = None) -> float:
+    """Decode time per step at one sequence without the prefill: the difference of a long and a short run
+    (`long_elapsed`: a long run already timed)."""
+    if long_elapsed is None:
+        long_elapsed, _ = timed_generate(llm, prompts_for(1, args.prompt_len, vocab, seed=1), args.new_tokens)
+    short, _ = timed_generate(llm, prompts_for(1, args.prompt_len, vocab, seed=5), 32)
+    return 1000 * (long_elapsed - short) / (args.new_tokens - 32)
+
+
+def set_decode_shortcuts(llm, on: bool) -> None:
+    """Turn the runner's decode shortcuts (inputs staged into the graph buffers, the graph's own argmax) off
+    (each decode step's uploads copied into the buffers, float32 logits to the sampler) or back on."""
+    runner = llm.engine.runner
+    graphs = getattr(runner, "graphs", None)
+    for owner, name, off in ((graphs, "stage", lambda *a: None), (runner, "forward_greedy", lambda st: None)):
+        if owner is None:
+            continue
+        if on:
+            owner.__dict__.pop(name, None)
+        else:
+            setattr(owner, name, off)
+
+
+def graph_replay_ms(llm, replays: int = 200) -> float | None:
+    """Device time of the captured one-sequence decode graph alone, replayed back to back (its static inputs hold
+    the last step's, so each replay rewrites the same KV slot with the same values); None without graphs."""
+    import torch
+
+    graphs = getattr(llm.engine.runner, "graphs", None) or getattr(llm.engine.runner, "bench_graphs", None)
+    graph = getattr(graphs, "graphs", {}).get(1) if graphs is not None else None
+    if graph is None:
+        return None
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def timed_generate(llm, prompts, max_tokens) -> tuple[float, int]:
@@ -169,15 +213,29 @@ def run_fourfold(args, quant: str | None = None) -> None:
     llm = build_llm(args, quant, fused_decoder=not args.no_fused, overlap_steps=not args.no_overlap,
                     look_ahead=not args.no_look_ahead)
     path = wire_decode_graphs(llm, args)
+    if args.decode_shortcuts == "off":
+        set_decode_shortcuts(llm, False)
+        path += ", no decode shortcuts"
     vocab = preset_vocab(args)
     for c in args.concurrency:
         timed_generate(llm, prompts_for(c, args.prompt_len, vocab, seed=10_000 + c), 4)  # warm-up, other prompts
         elapsed, tokens = timed_generate(llm, prompts_for(c, args.prompt_len, vocab, seed=c), args.new_tokens)
         row = {"variant": variant, "concurrency": c, "tokens": tokens, "seconds": elapsed,
                "tokens_per_s": tokens / elapsed, "decode_path": path}
-        if c == 1:  # decode time per step without prefill: the difference of a long and a short run
-            short, _ = timed_generate(llm, prompts_for(1, args.prompt_len, vocab, seed=5), 32)
-            row["ms_per_step"] = 1000 * (elapsed - short) / (args.new_tokens - 32)
+        if c == 1:
+            runs = [decode_ms_per_step(llm, args, vocab, elapsed) for _ in range(3)]
+            row["ms_per_step"], row["ms_per_step_runs"] = sorted(runs)[1], runs
+            if args.decode_shortcuts == "ab":  # the same engine, shortcuts off then on, three times each
+                off, on = [], []
+                for _ in range(3):
+                    set_decode_shortcuts(llm, False)
+                    off.append(decode_ms_per_step(llm, args, vocab))
+                    set_decode_shortcuts(llm, True)
+                    on.append(decode_ms_per_step(llm, args, vocab))
+                row["ab_ms_per_step_shortcuts_off"], row["ab_ms_per_step_shortcuts_on"] = off, on
+            graph_ms = graph_replay_ms(llm)
+            if graph_ms is not None:  # the rest of a step: inputs, sampling, read-back and the gaps around them
+                row["graph_ms_per_step"] = graph_ms
         report(row)
     if args.profile:
         try:
@@ -351,7 +409,12 @@ def run_variant(name: str, args, budget_left: float) -> list[dict]:
 
     def show(row: dict) -> None:
         say(f"   {row['variant']:22s} c={row['concurrency']:<4d} {row['tokens_per_s']:10,.0f} tok/s"
-            + (f"  {row['ms_per_step']:.3f} ms/step" if "ms_per_step" in row else ""))
+            + (f"  {row['ms_per_step']:.3f} ms/step" if "ms_per_step" in row else "")
+            + (f" (graph alone {row['graph_ms_per_step']:.3f})" if "graph_ms_per_step" in row else "")
+            + (f" runs {[round(v, 3) for v in row['ms_per_step_runs']]}" if "ms_per_step_runs" in row else "")
+            + (f"\n     shortcuts off {[round(v, 3) for v in row['ab_ms_per_step_shortcuts_off']]}, on "
+               f"{[round(v, 3) for v in row['ab_ms_per_step_shortcuts_on']]}" if "ab_ms_per_step_shortcuts_on" in row
+               else ""))
 
     rows, tail = read_child(proc, name, timeout, proc.kill, show, say)
     if proc.returncode not in (0, None) and not any("error" in r for r in rows):
@@ -421,6 +484,9 @@ def main() -> int:
     ap.add_argument("--no-fused", action="store_true", help="fourfold: the model's own forward (no fused decoder)")
     ap.add_argument("--no-overlap", action="store_true", help="fourfold: read each step's tokens before returning")
     ap.add_argument("--no-look-ahead", action="store_true", help="fourfold: overlap output building only")
+    ap.add_argument("--decode-shortcuts", choices=["on", "off", "ab"], default="on",
+                    help="fourfold: decode steps with staged graph inputs and the graph's own argmax (on), without "
+                    "(off), or both at one sequence, alternating on the same engine (ab)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget-s", type=float, default=480, help="total wall time for all variants")
     ap.add_argument("--bandwidth", type=float, default=4.26e12, help="GPU memory bandwidth, bytes/s (H200)")
