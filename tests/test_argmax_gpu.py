@@ -6,23 +6,15 @@ tensors; on a GPU on CUDA tensors. CHUNK is made small so a row spans several ch
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is not installed (optional; the GPU path needs it)")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it before triton is imported)",
-                allow_module_level=True)
+from tests.triton_device import DEVICE, require_triton_runtime
 
+require_triton_runtime()
 from fourfold.infer import argmax_gpu  # noqa: E402 - after the checks above
 from fourfold.infer.sampler import greedy_argmax  # noqa: E402
-from tests.test_attention_gpu import _interpreter_index_shim  # noqa: E402
 
-if DEVICE == "cpu":
-    _interpreter_index_shim()
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter mishandles bfloat16
 
 

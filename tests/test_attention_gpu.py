@@ -7,38 +7,12 @@ Skipped when Triton is not installed (an optional dependency: CPU installs use t
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is not installed (optional; the GPU path needs it)")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.triton_device import DEVICE, require_triton_runtime
 
-
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it before triton is imported)",
-                allow_module_level=True)
+require_triton_runtime()
 from fourfold.infer import attention_gpu  # noqa: E402 - after the checks above
-
-
-def _interpreter_index_shim() -> None:
-    """Triton 3.6's interpreter turns loaded scalars (numpy arrays of shape (1,)) into loop bounds with int(),
-    which numpy >= 2.4 refuses; give its tensors an __index__ that takes the single element."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    if getattr(original, "__name__", "") != "patch":
-        interpreter._patch_lang_tensor = patch
-
-
-if DEVICE == "cpu":
-    _interpreter_index_shim()
 
 
 def reference(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale):

@@ -11,17 +11,12 @@ conversions wrong: its rotary kernel already disagrees with torch there, and its
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is not installed (optional; the GPU path needs it)")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it before triton is imported)",
-                allow_module_level=True)
+from tests.triton_device import DEVICE, require_triton_runtime
 
+require_triton_runtime()
 from fourfold.config import build_config  # noqa: E402 - after the checks above
 from fourfold.infer import attention_gpu, decode_attention_gpu, fused_decoder, fused_ops  # noqa: E402
 from fourfold.infer.cuda_graphs import StaticDecodeInputs  # noqa: E402
@@ -31,10 +26,8 @@ from fourfold.infer.scheduler import ScheduledChunk  # noqa: E402
 from fourfold.infer.sequence import Sequence  # noqa: E402
 from fourfold.models.llama import Llama  # noqa: E402
 from tests.engine_helpers import GREEDY  # noqa: E402
-from tests.test_attention_gpu import _interpreter_index_shim, reference  # noqa: E402
+from tests.test_attention_gpu import reference  # noqa: E402
 
-if DEVICE == "cpu":
-    _interpreter_index_shim()
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
 
