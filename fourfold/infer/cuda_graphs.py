@@ -160,19 +160,22 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
+    def fits(self, n_tokens: int, n_seqs: int, n_sampled: int, table_width: int) -> bool:
+        """Whether a step of these sizes is a decode step a graph can replay: one query and one sample per
+        sequence, small enough."""
+        return (n_tokens == n_seqs == n_sampled and n_seqs <= self.sizes[-1] and table_width <= self.max_blocks
+                and (not self.use_graphs or bool(self.graphs)))
+
     def can_run(self, st) -> bool:
-        """Whether `st` is a decode step a graph can replay: one query and one sample per sequence, small enough."""
-        n_seqs, n_tokens = st.seq_lens.shape[0], st.tokens.shape[0]
-        return (n_tokens == n_seqs and st.logits_for.shape[0] == n_seqs and n_seqs <= self.sizes[-1]
-                and st.block_tables.shape[1] <= self.max_blocks and (not self.use_graphs or bool(self.graphs)))
+        """Whether a graph can replay the step `st` (StepTensors on the device); see `fits`."""
+        return self.fits(st.tokens.shape[0], st.seq_lens.shape[0], st.logits_for.shape[0], st.block_tables.shape[1])
 
     def stage(self, arrays: Sequence[np.ndarray], upload: Callable[..., torch.Tensor]) -> StepTensors | None:
         """Copy a decode step's host arrays (host_step's seven) into its graph's static buffers through
         `upload(values, dtype, out=buffer)`; the step as views of those buffers, or None when no graph runs it."""
         tokens, positions, slots, tables, lens, _, logits_for = arrays
         n = len(lens)
-        if not (len(tokens) == n == len(logits_for) and 0 < n <= self.sizes[-1] and tables.shape[1] <= self.max_blocks
-                and (not self.use_graphs or bool(self.graphs))):
+        if n == 0 or not self.fits(len(tokens), n, len(logits_for), tables.shape[1]):
             return None
         inputs = self.inputs[bucket_for(n, self.sizes)]
         wide, narrow = inputs.host_buffers(tokens, positions, slots, tables, lens)
