@@ -125,6 +125,7 @@ class LLMEngine:
             runner = ModelRunner(model, pool, device, fuse=None if cfg.fused_decoder else False)
         if cfg.cuda_graphs:
             runner.capture_decode_graphs(cfg.max_num_seqs, max_len)
+            runner.capture_prefill_graphs(min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens), max_len)
         return cls(runner, tokenizer, cfg, max_len, **kwargs)
 
     # -- requests ---------------------------------------------------------------------------------

@@ -38,6 +38,9 @@ class EngineConfig:
     scheduling, whole prompts in steps of their own (the classic baseline)."""
     cuda_graphs: bool = setting(True)
     """On CUDA (with Triton): replay decode steps from CUDA graphs captured at padded batch sizes."""
+    prefill_graph_tokens: int = setting(512, ge=0)
+    """With cuda_graphs, one-process models: steps of one sequence and at most this many tokens (a prompt alone, or
+    a chunk of one) replay CUDA graphs too, captured at padded token counts (fourfold.infer.prefill_graphs); 0: none."""
     fused_decoder: bool = setting(True)
     """Run whole models with fused q|k|v and gate|up weights: fused Triton kernels on CUDA, the packed CPU step (cpu_decoder) on CPU."""
     overlap_steps: bool = setting(True)

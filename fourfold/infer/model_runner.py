@@ -4,6 +4,9 @@
     logits = runner.forward(st)           # (sequences that sample, vocab), float32
     ids = runner.forward_greedy(st)       # decode steps a CUDA graph replays: greedy ids, argmax in the graph
 
+On CUDA, decode steps and one-sequence prefill steps replay CUDA graphs (fourfold.infer.cuda_graphs,
+fourfold.infer.prefill_graphs) where their sizes allow.
+
 The model runs once per step on all scheduled tokens flattened into one row, tokens (1, T) and
 positions (1, T) (varlen: no padding between sequences), with `logits_for` picking the last token of
 each sequence that samples. `decode_forward(st)` is the pure tensor function of a step (no host
@@ -30,6 +33,7 @@ from fourfold.infer.fused_decoder import FusedDecoder
 from fourfold.infer.fused_ops import rotary_kv_write
 from fourfold.infer.kv_pool import KVPool
 from fourfold.infer.paged_attention import CpuAttentionPlan, PagedStep
+from fourfold.infer.prefill_graphs import PrefillGraphs
 from fourfold.infer.scheduler import ScheduledChunk
 from fourfold.infer.step_tensors import StepTensors, host_step
 
@@ -52,6 +56,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, pool: KVPool, device: torch.device, fuse: bool | None = None):
         self.model, self.pool, self.device = model, pool, device
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.cpu_decoder = CpuDecoder.from_model(model) if fuse is None and device.type == "cpu" else None
         if fuse is None:
             fuse = device.type == "cuda" and attention_gpu.available()
@@ -71,14 +76,24 @@ class ModelRunner:
                                    scratch_block=self.pool.scratch_block, device=self.device)
         self.graphs.capture()
 
+    def capture_prefill_graphs(self, max_tokens: int, max_model_len: int) -> None:
+        """On CUDA with the fused decoder: capture one-sequence steps of up to `max_tokens` tokens (padded sizes)."""
+        if self.device.type != "cuda" or self.fused is None or max_tokens <= 0:
+            return
+        bs = self.pool.block_size
+        self.prefill_graphs = PrefillGraphs(lambda *t: self.decode_forward(StepTensors(*t)), max_tokens=max_tokens,
+                                            max_blocks=-(-max_model_len // bs), block_size=bs,
+                                            scratch_block=self.pool.scratch_block, device=self.device)
+        self.prefill_graphs.capture()
+
     def prepare(self, chunks: list[ScheduledChunk], rows: BlockRows | None = None) -> StepTensors:
         """The step's tensors on the device, from each chunk's sequence state (before it advances).
 
         `rows`: the block manager's BlockRows, where the step's block tables are gathered from.
         """
         arrays = host_step(chunks, self.pool.block_size, self.pool.scratch_block, rows)
-        if self.graphs is not None:  # a decode step a graph replays goes straight into the graph's buffers
-            staged = self.graphs.stage(arrays, self.upload)
+        for graphs in (self.graphs, self.prefill_graphs):  # a step a graph replays goes straight into its buffers
+            staged = graphs.stage(arrays, self.upload) if graphs is not None else None
             if staged is not None:
                 return staged
         if self.device.type == "cpu":
@@ -188,9 +203,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, st: StepTensors) -> torch.Tensor:
-        """Logits of the sampling sequences in float32 (a captured graph replays decode-only steps)."""
+        """Logits of the sampling sequences in float32 (captured graphs replay decode and one-sequence prefill steps)."""
         if self.graphs is not None and self.graphs.can_run(st):
             return self.graphs.run(st).float()
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(st):
+            return self.prefill_graphs.run(st).float()
         return self.decode_forward(st).float()
 
     def forward_greedy(self, st: StepTensors) -> torch.Tensor | None:
