@@ -14,7 +14,9 @@
 4. Logits after the prompt (teacher forced, no sampling): the model's own bf16 forward and the fused
    decoder's (through the engine's runner) against the model in float32; max abs error and argmax
    agreement with float32 for each. Equal-sized errors mean the fused path is as exact as the eager one
-   and the greedy differences of 2. are bf16 rounding, not a bug.
+   and the greedy differences of 2. are bf16 rounding, not a bug. The same for the last prompt token run as a
+   decode step in the captured decode graphs (batch 1 and all prompts), and for each prompt alone in a step
+   replayed from a prefill graph (fourfold.infer.prefill_graphs).
 Writes parity.json and parity.md to --out.
 """
 
@@ -97,12 +99,35 @@ def logits_check(model, prompts: list[list[int]]) -> dict:
                      "argmax_equal_fp32": int((got.argmax(-1) == ref.argmax(-1)).sum()), "of": len(prompts)}
     out["fp32_logit_std"] = ref.std().item()
     out["fused_vs_eager_max_abs"] = (fused - eager).abs().max().item()
+    got = prefill_graph_logits(model, prompts)  # each prompt alone in a step: a captured prefill graph
+    out["prefill_graph"] = {"max_abs_err_vs_fp32": (got - ref).abs().max().item(),
+                            "argmax_equal_fp32": int((got.argmax(-1) == ref.argmax(-1)).sum()), "of": len(prompts),
+                            "vs_fused_eager_max_abs": (got - fused).abs().max().item()}
     for batch in sorted({1, len(prompts)}):  # the last prompt token as a decode step through the captured graphs
         got = decode_step_logits(model, prompts[:batch])
         out[f"decode_graph_b{batch}"] = {"max_abs_err_vs_fp32": (got - ref[:batch]).abs().max().item(),
                                          "argmax_equal_fp32": int((got.argmax(-1) == ref[:batch].argmax(-1)).sum()),
                                          "of": batch}
     return out
+
+
+def prefill_graph_logits(model, prompts: list[list[int]]) -> torch.Tensor:
+    """Logits of each prompt's last token with the prompt alone in a step, replayed from a prefill graph
+    (fourfold.infer.prefill_graphs, captured at the prompt's length)."""
+    cfg, dev = model.cfg, next(model.parameters()).device
+    bs = 16
+    per_seq = -(-len(prompts[0]) // bs)
+    pool = KVPool(cfg.n_layers, per_seq * len(prompts), bs, cfg.n_kv_heads, cfg.head_dim, torch.bfloat16, dev)
+    runner = ModelRunner(model, pool, dev, fuse=True)
+    runner.capture_prefill_graphs(len(prompts[0]), per_seq * bs)
+    rows = []
+    for i, p in enumerate(prompts):
+        seq = Sequence(str(i), p, SamplingParams(max_tokens=1), i)
+        seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+        st = runner.prepare([ScheduledChunk(seq, len(p))])
+        assert runner.prefill_graphs is not None and runner.prefill_graphs.holds(st), "the step took no prefill graph"
+        rows.append(runner.forward(st).float().clone())
+    return torch.cat(rows)
 
 
 def decode_step_logits(model, prompts: list[list[int]]) -> torch.Tensor:

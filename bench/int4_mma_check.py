@@ -11,7 +11,8 @@ shape at 1 and 8 rows, both kernels (the mma one also at 4/8/16/32 warps a block
 1-4 blocks, and staged at 2-8 warps and 4-32 quads a warp), each in a CUDA graph over 12 copies of the weight
 (more than L2 holds). 3. One decoder layer's matmuls and norms as the engine runs them
 (fused_decoder.INT4_FUSED_NORMS) with each kernel, with the mma kernels' block sizes and splits swept in that
-chain (int4_mma.config's defaults come from it), and with some or all of its kernels staged. Writes
+chain (int4_mma.config's defaults come from it), with some or all of its kernels staged, and over one layer's
+weights replayed 12 times (so they come from L2, not HBM). Writes
 int4_mma_check.json.
 """
 
@@ -191,8 +192,10 @@ def layer_timing(results: list, layers: int = 12) -> None:
     row = {}
     for label, enabled in (("mma", True), ("triton", False)):
         row[label] = with_mma(enabled, lambda: graph_us([lambda L=L: fused_layer(L) for L in mods]))
+    # the same chain over one layer's weights, which then sit in L2: how much of a layer is waiting for HBM
+    row["mma_weights_in_l2"] = graph_us([lambda: fused_layer(mods[0]) for _ in mods])
     print(f"fused layer at 1 row: mma {row['mma']:.2f} us, triton {row['triton']:.2f} us "
-          f"({row['triton'] / row['mma']:.2f}x)")
+          f"({row['triton'] / row['mma']:.2f}x); mma with the weights in L2 {row['mma_weights_in_l2']:.2f} us")
     results.append(row)
     layer_configs(results, mods, nw)
 
