@@ -35,7 +35,7 @@ the padding on CPU and the GPU adds only the capture.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -57,6 +57,28 @@ def bucket_for(batch: int, sizes: Sequence[int]) -> int:
         if size >= batch:
             return size
     raise ValueError(f"a decode batch of {batch} exceeds the largest captured size {sizes[-1]}")
+
+
+def capture_graphs(device: torch.device, keys: Iterable[int], step: Callable[[int, bool], None],
+                   warmup_runs: int) -> dict[int, torch.cuda.CUDAGraph]:
+    """A CUDA graph of `step(key, True)` for each key (in the order given), all sharing one memory pool, each
+    after `warmup_runs` eager calls of `step(key, False)` (kernel compilation, cuBLAS workspaces, allocator
+    caches). `step` keeps what it wants of the captured outputs."""
+    graphs = {}
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for key in keys:
+            for _ in range(warmup_runs):
+                step(key, False)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                step(key, True)
+            graphs[key] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return graphs
 
 
 class StaticDecodeInputs:
@@ -144,21 +166,12 @@ class DecodeGraphs:
         """Warm up and capture every size, largest first, all graphs sharing one memory pool."""
         if not self.use_graphs:
             return
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for b in reversed(self.sizes):
-                args = self.inputs[b].as_args()
-                for _ in range(self.warmup_runs):  # kernel compilation, cuBLAS workspaces, allocator caches
-                    self.forward(*args)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[b] = self.forward(*args)
-                    self.argmax[b] = greedy_argmax(self.outputs[b])
-                self.graphs[b] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+
+        def step(b: int, capturing: bool) -> None:
+            logits = self.forward(*self.inputs[b].as_args())
+            if capturing:
+                self.outputs[b], self.argmax[b] = logits, greedy_argmax(logits)
+        self.graphs = capture_graphs(self.device, reversed(self.sizes), step, self.warmup_runs)
 
     def fits(self, n_tokens: int, n_seqs: int, n_sampled: int, table_width: int) -> bool:
         """Whether a step of these sizes is a decode step a graph can replay: one query and one sample per

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from fourfold.infer.cuda_graphs import bucket_for
+from fourfold.infer.cuda_graphs import bucket_for, capture_graphs
 from fourfold.infer.step_tensors import StepTensors
 
 DEFAULT_TOKEN_SIZES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -137,20 +137,12 @@ class PrefillGraphs:
         """Warm up and capture every size, largest first, all graphs sharing one memory pool."""
         if not self.use_graphs or not self.sizes:
             return
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for p in reversed(self.sizes):
-                args = self.inputs[p].as_args()
-                for _ in range(self.warmup_runs):  # kernel compilation, cuBLAS workspaces, allocator caches
-                    self.forward(*args)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[p] = self.forward(*args)
-                self.graphs[p] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+
+        def step(p: int, capturing: bool) -> None:
+            logits = self.forward(*self.inputs[p].as_args())
+            if capturing:
+                self.outputs[p] = logits
+        self.graphs = capture_graphs(self.device, reversed(self.sizes), step, self.warmup_runs)
 
     def fits(self, n_tokens: int, n_seqs: int, n_sampled: int, table_width: int) -> bool:
         """Whether a step of these sizes is one a graph can replay: one sequence of at least two tokens (one is a
