@@ -143,9 +143,9 @@ def test_same_pool_and_output_as_rotary_then_paged_attention(seq_lens, hq, hkv, 
         m.setattr(fused_ops, "_use_triton", lambda x: False)
         k_torch, v_torch = torch_rotary_pool(c)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
-    if DEVICE == "cpu":
-        assert torch.equal(k_new, k_torch) and torch.equal(v_new, v_torch)
-    else:  # compiled, the products may fuse into FMAs: one rounding step of the dtype apart at most
+    if DEVICE == "cpu" or dtype == torch.bfloat16:   # bf16 products rounded by bit operations, never fused
+        assert torch.equal(k_new.cpu(), k_torch) and torch.equal(v_new.cpu(), v_torch)
+    else:  # compiled, float32 products may fuse into FMAs: one rounding step of the dtype apart at most
         torch.testing.assert_close(k_new.cpu(), k_torch, **tol)
         torch.testing.assert_close(v_new.cpu(), v_torch, **tol)
     assert got.shape == want.shape and got.dtype == want.dtype
