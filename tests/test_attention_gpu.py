@@ -61,7 +61,10 @@ def check(args, atol=1e-4):
     got = attention_gpu.paged_attention(*args)
     expected = reference(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
     assert got.shape == expected.shape and got.dtype == expected.dtype
-    torch.testing.assert_close(got.cpu().float(), expected.float(), atol=atol, rtol=1e-3)
+    rtol = 1e-3
+    if DEVICE == "cuda" and got.dtype == torch.float32:
+        atol = rtol = max(atol, 2e-3)   # float32 tl.dot runs in TF32 on the GPU; the reference in float32
+    torch.testing.assert_close(got.cpu().float(), expected.float(), atol=atol, rtol=rtol)
 
 
 def test_decode_one_query_per_sequence_with_split_kv():
