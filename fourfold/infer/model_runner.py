@@ -70,21 +70,21 @@ class ModelRunner:
         """On CUDA with the Triton kernel: capture decode steps of up to `max_batch` sequences (padded sizes)."""
         if self.device.type != "cuda" or not attention_gpu.available():
             return
-        bs = self.pool.block_size
-        self.graphs = DecodeGraphs(lambda *t: self.decode_forward(StepTensors(*t)), max_batch=max_batch,
-                                   max_blocks=-(-max_model_len // bs), block_size=bs,
-                                   scratch_block=self.pool.scratch_block, device=self.device)
+        self.graphs = DecodeGraphs(max_batch=max_batch, **self._graph_settings(max_model_len))
         self.graphs.capture()
 
     def capture_prefill_graphs(self, max_tokens: int, max_model_len: int) -> None:
         """On CUDA with the fused decoder: capture one-sequence steps of up to `max_tokens` tokens (padded sizes)."""
         if self.device.type != "cuda" or self.fused is None or max_tokens <= 0:
             return
-        bs = self.pool.block_size
-        self.prefill_graphs = PrefillGraphs(lambda *t: self.decode_forward(StepTensors(*t)), max_tokens=max_tokens,
-                                            max_blocks=-(-max_model_len // bs), block_size=bs,
-                                            scratch_block=self.pool.scratch_block, device=self.device)
+        self.prefill_graphs = PrefillGraphs(max_tokens=max_tokens, **self._graph_settings(max_model_len))
         self.prefill_graphs.capture()
+
+    def _graph_settings(self, max_model_len: int) -> dict:
+        """What DecodeGraphs and PrefillGraphs both take: the forward they capture, block-table width, pool layout."""
+        bs = self.pool.block_size
+        return dict(forward=lambda *t: self.decode_forward(StepTensors(*t)), max_blocks=-(-max_model_len // bs),
+                    block_size=bs, scratch_block=self.pool.scratch_block, device=self.device)
 
     def prepare(self, chunks: list[ScheduledChunk], rows: BlockRows | None = None) -> StepTensors:
         """The step's tensors on the device, from each chunk's sequence state (before it advances).
