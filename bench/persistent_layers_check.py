@@ -49,9 +49,8 @@ CHECKED = ("flag barrier", "atomic barrier", "flag barrier, lite")
 
 
 def source() -> str:
-    """The int4 mma kernel's helpers (everything before its block-size macros), then the persistent kernel."""
-    helpers = int4_mma._source().split("#define MAXG")[0]
-    return helpers + (Path(__file__).parent / "persistent_layers.cu").read_text()
+    """The int4 mma kernels' helpers (int4_mma_common.cuh), then the persistent kernel."""
+    return int4_mma.helpers_source() + (Path(__file__).parent / "persistent_layers.cu").read_text()
 
 
 def smem_bytes(maxt_qkv: int, maxt_gu: int) -> int:

@@ -62,21 +62,38 @@ ENABLED = os.environ.get("FOURFOLD_INT4_MMA") != "0"
 """FOURFOLD_INT4_MMA=0 at import keeps every int4 decode step on the Triton GEMV (A/B)."""
 
 
+def read_kernel_source(name: str) -> str:
+    """The text of a CUDA file beside this module (int4_mma_common.cuh's helpers, a kernel)."""
+    with open(os.path.join(os.path.dirname(__file__), name)) as f:
+        return f.read()
+
+
+@functools.lru_cache(maxsize=None)
+def helpers_source() -> str:
+    """The device helpers every int4 tensor-core kernel is compiled after (int4_mma_common.cuh)."""
+    return read_kernel_source("int4_mma_common.cuh")
+
+
 @functools.lru_cache(maxsize=None)
 def _source() -> str:
-    with open(os.path.join(os.path.dirname(__file__), "int4_mma_gemv.cu")) as f:
-        return f.read()
+    return helpers_source() + read_kernel_source("int4_mma_gemv.cu")
+
+
+def layout_supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int) -> bool:
+    """Whether x (.., K) and an int4 weight with these scales fit the kernels of this layout (this one and
+    fourfold.quant.int4_stream) on x's device: cuda-bindings, bf16, 1-8 rows, K a multiple of 64, N of 16, sm80+."""
+    rows = x.numel() // in_features if in_features else 0
+    return (ENABLED and nvrtc_launch.available() and x.is_cuda and x.dtype == torch.bfloat16
+            and scales.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and in_features % 64 == 0
+            and out_features % 16 == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
 def supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int) -> bool:
     """Whether this kernel can run x (.., K) against an int4 weight with these scales on x's device."""
     rows = x.numel() // in_features if in_features else 0
-    return (ENABLED and nvrtc_launch.available() and x.is_cuda and x.dtype == torch.bfloat16
-            and scales.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and in_features % 64 == 0
-            and out_features % 16 == 0
+    return (layout_supports(x, scales, in_features, out_features)
             and out_features <= (MAX_OUT_FEATURES if rows == 1 and not use_staged(out_features, in_features, rows)
-                                 else MAX_OUT_FEATURES_ROWS)
-            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+                                 else MAX_OUT_FEATURES_ROWS))
 
 
 def repack_mma(weight_int4: torch.Tensor) -> torch.Tensor:

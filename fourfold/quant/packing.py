@@ -39,7 +39,7 @@ from torch import nn
 from fourfold.errors import ConfigError
 from fourfold.quant import int4_gemm
 from fourfold.quant import int4_gemv as gemv
-from fourfold.quant import int4_mma
+from fourfold.quant import int4_mma, int4_stream
 from fourfold.quant.fake_quant import fake_quantize_activation, quantize_weight
 from fourfold.quant.schemes import QuantScheme, check_group_divides
 
@@ -153,17 +153,27 @@ class Int4WeightLinear(nn.Module):
         return (int4_mma.supports(x, self.scales, self.in_features, self.out_features)
                 and (self.bias is None or self.bias.dtype == torch.bfloat16))
 
+    def _uses_stream(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // self.in_features
+        return (int4_stream.use_stream(self.out_features, self.in_features, rows)
+                and int4_mma.layout_supports(x, self.scales, self.in_features, self.out_features)
+                and (self.bias is None or self.bias.dtype == torch.bfloat16))
+
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether x (.., K) runs a decode GEMV with its fusions: the tensor-core one (fourfold.quant.int4_mma, up
         to 8 rows where it runs) or the Triton one (CUDA, at most int4_gemv.MAX_ROWS rows), not torch's mm."""
         rows = x.numel() // self.in_features if self.in_features else 0
-        return self._uses_mma(x) or (gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS)
+        return self._uses_mma(x) or self._uses_stream(x) or (gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS)
 
     def decode(self, x: torch.Tensor, *, gated: bool = False, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
         """The int4 GEMV (see uses_gemv) with its fusions: `gated` SiLU*mul, `residual` add, `norm_weight`: x is
         RMS-normalised first (fourfold.quant.int4_gemv). x is used as given (no activation fake-quant)."""
         rows = x.numel() // self.in_features
+        if self._uses_stream(x) and (norm_weight is None or norm_weight.dtype == torch.bfloat16):
+            words, scale_words = self.mma_words()
+            return int4_stream.int4_stream_gemv(x, words, scale_words, self.scheme.group_size, self.bias, gated=gated,
+                                                residual=residual, norm_weight=norm_weight, eps=eps)
         # one row of the gated form: the Triton GEMV is faster (H200 llama-1b: 6.0 vs 6.4 us; the other shapes
         # 2.5-4.3 us with the mma kernel against 2.5-4.5; bench/int4_mma_check.py)
         staged = int4_mma.use_staged(self.out_features, self.in_features, rows)
