@@ -177,6 +177,14 @@ def kernel_timing(results: list, copies: int = 12) -> None:
         del mods
 
 
+def engine_layer(L: dict, x0: torch.Tensor, att: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
+    """One decoder layer's four int4 GEMVs as the engine runs them at decode (fused_decoder.INT4_FUSED_NORMS):
+    q|k|v with the RMSNorm, o + residual, gate|up with the RMSNorm and SiLU*mul, down + residual."""
+    L["qkv"].decode(x0, norm_weight=nw)
+    h = L["o"].decode(att, residual=x0)
+    return L["down"].decode(L["gate_up"].decode(h, gated=True, norm_weight=nw), residual=h)
+
+
 def layer_timing(results: list, layers: int = 12) -> None:
     dim = SHAPES["o"][0]
     nw = torch.ones(dim, device=DEV, dtype=torch.bfloat16)
@@ -185,9 +193,7 @@ def layer_timing(results: list, layers: int = 12) -> None:
     mods = [{nm: module(n, k, "int4-g128")[0] for nm, (n, k) in SHAPES.items()} for _ in range(layers)]
 
     def fused_layer(L):
-        L["qkv"].decode(x0, norm_weight=nw)
-        h = L["o"].decode(att, residual=x0)
-        L["down"].decode(L["gate_up"].decode(h, gated=True, norm_weight=nw), residual=h)
+        engine_layer(L, x0, att, nw)
 
     row = {}
     for label, enabled in (("mma", True), ("triton", False)):

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_check import copies_for, graph_us, rel_err  # noqa: E402
 from int4_gemv_check import DEV, TOL, module  # noqa: E402
-from int4_mma_check import preset_shapes  # noqa: E402
+from int4_mma_check import engine_layer, preset_shapes  # noqa: E402
 
 from fourfold.quant import int4_mma, int4_stream  # noqa: E402
 
@@ -128,14 +128,11 @@ def layer_timing(preset: str, results: list, layers: int = 12) -> None:
     att = torch.randn(1, dim, device=DEV, dtype=torch.bfloat16)
     mods = [{nm: module(n, k, "int4-g128")[0] for nm, (n, k) in shapes.items()} for _ in range(layers)]
 
-    def engine_layer(L):
-        L["qkv"].decode(x0, norm_weight=nw)
-        h = L["o"].decode(att, residual=x0)
-        return L["down"].decode(L["gate_up"].decode(h, gated=True, norm_weight=nw), residual=h)
 
     row = {"preset": preset, "layer": True}
     for mode in ("0", "auto", "1"):
-        row[f"stream_{mode}"] = with_mode(mode, lambda: graph_us([lambda L=L: engine_layer(L) for L in mods]))
+        row[f"stream_{mode}"] = with_mode(mode, lambda: graph_us([lambda L=L: engine_layer(L, x0, att, nw)
+                                                                 for L in mods]))
     results.append(row)
     print(f"{preset} layer at one row, us: streaming off {row['stream_0']:.2f}, auto {row['stream_auto']:.2f}, "
           f"all {row['stream_1']:.2f}")

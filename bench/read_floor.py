@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_check import copies_for, graph_us  # noqa: E402
 from int4_gemv_check import DEV, module  # noqa: E402
-from int4_mma_check import preset_shapes  # noqa: E402
+from int4_mma_check import engine_layer, preset_shapes  # noqa: E402
 
 from fourfold.ops import nvrtc_launch  # noqa: E402
 
@@ -254,12 +254,8 @@ def layer_row(sms: int, sink: torch.Tensor, best: dict, results: list, layers: i
     x0 = torch.randn(1, dim, device=DEV, dtype=torch.bfloat16)
     att = torch.randn(1, dim, device=DEV, dtype=torch.bfloat16)
 
-    def engine_layer(L):
-        L["qkv"].decode(x0, norm_weight=nw)
-        h = L["o"].decode(att, residual=x0)
-        L["down"].decode(L["gate_up"].decode(h, gated=True, norm_weight=nw), residual=h)
 
-    engine = graph_us([lambda L=L: engine_layer(L) for L in mods])
+    engine = graph_us([lambda L=L: engine_layer(L, x0, att, nw) for L in mods])
     results.append({"layer": "llama-1b", "reads_us": reads, "engine_int4_us": engine})
     print(f"llama-1b layer at one row: four reads {reads:.2f} us, the engine's four int4 GEMVs {engine:.2f} us")
 

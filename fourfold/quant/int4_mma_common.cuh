@@ -74,6 +74,12 @@ __device__ __forceinline__ u16 float_to_bf16(float f) {
 
 __device__ __forceinline__ float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+// silu(gate) * up from finished sums, rounded where the eager SwiGLU rounds (each matmul output, the silu, the product)
+__device__ __forceinline__ float silu_mul_rounded(float gate, float up) {
+    const float gr = round_bf16(gate);
+    return round_bf16(gr / (1.f + __expf(-gr))) * round_bf16(up);
+}
+
 // B fragments of token row g (zero past m) for one 64-wide quad starting at column c: the lane holds
 // x[c + 8t .. +7] and x[c + 32 + 8t .. +7] (two 16-byte loads); k-step j takes 4 of them, the weight layout matching
 __device__ __forceinline__ void load_x_quad(u32 (*b)[2], const u16* x, int stride_x, int g, int t, int m, int c) {

@@ -303,9 +303,7 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 #if BIAS
         up += bias_u[e];
 #endif
-        // silu(gate) * up, rounded where the eager SwiGLU rounds (each matmul output, the silu, the product)
-        const float gr = round_bf16(y);
-        y = round_bf16(gr / (1.f + __expf(-gr))) * round_bf16(up);
+        y = silu_mul_rounded(y, up);
 #endif
 #if RES
         y = round_bf16(y) + res_v[e];

@@ -262,9 +262,7 @@ int4_stream_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_
 #if BIAS
             up += bias_v[2 + h];
 #endif
-            // silu(gate) * up, rounded where the eager SwiGLU rounds (each matmul output, the silu, the product)
-            const float gr = round_bf16(y);
-            y = round_bf16(gr / (1.f + __expf(-gr))) * round_bf16(up);
+            y = silu_mul_rounded(y, up);
 #endif
 #if RES
             y = round_bf16(y) + res_v[h];
