@@ -48,13 +48,18 @@ def preset_shapes(preset: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (qkv, dim), "o": (dim, dim), "gate_up": (2 * ffn, dim), "down": (dim, ffn)}
 
 
-def with_mma(enabled: bool, fn):
-    saved = int4_mma.ENABLED
-    int4_mma.ENABLED = enabled
+def with_setting(module, name: str, value, fn):
+    """fn() with module.name set to value (a module-level switch such as int4_mma.ENABLED), then restored."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         return fn()
     finally:
-        int4_mma.ENABLED = saved
+        setattr(module, name, saved)
+
+
+def with_mma(enabled: bool, fn):
+    return with_setting(int4_mma, "ENABLED", enabled, fn)
 
 
 def parity(results: list) -> int:

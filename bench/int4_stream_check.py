@@ -26,18 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_check import copies_for, graph_us, rel_err  # noqa: E402
 from int4_gemv_check import DEV, TOL, module  # noqa: E402
-from int4_mma_check import engine_layer, preset_shapes  # noqa: E402
+from int4_mma_check import engine_layer, preset_shapes, with_setting  # noqa: E402
 
 from fourfold.quant import int4_mma, int4_stream  # noqa: E402
 
 
 def with_mode(mode: str, fn):
-    saved = int4_stream.MODE
-    int4_stream.MODE = mode
-    try:
-        return fn()
-    finally:
-        int4_stream.MODE = saved
+    return with_setting(int4_stream, "MODE", mode, fn)
 
 
 def reference(w: torch.Tensor, x, gated, res, nw, bias, eps=1e-5):

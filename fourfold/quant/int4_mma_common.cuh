@@ -121,3 +121,22 @@ __device__ __forceinline__ void flush_group(float* tot, const float (*acc)[4], c
     tot[2] += s1 * (a[2] - c1 * x[2]);
     tot[3] += s1 * (a[3] - c1 * x[3]);
 }
+
+// A block's warps add their per-lane sums through shared memory red[value][warp][lane]: each warp stores its NV
+// values, then (after a barrier) one warp adds them in warp order, so the result does not depend on timing
+template <int NV, int NW>
+__device__ __forceinline__ void store_warp_sums(float (*red)[NW][32], const float (&vals)[NV], int warp, int lane) {
+#pragma unroll
+    for (int e = 0; e < NV; ++e) red[e][warp][lane] = vals[e];
+}
+
+template <int NV, int NW>
+__device__ __forceinline__ void add_warp_sums(float (&v)[NV], const float (*red)[NW][32], int lane) {
+#pragma unroll
+    for (int e = 0; e < NV; ++e) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) sum += red[e][w][lane];
+        v[e] = sum;
+    }
+}

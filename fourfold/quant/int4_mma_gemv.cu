@@ -231,32 +231,21 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
         }
     }
 
-    // sum the warps' partial results: red[value][warp][lane]
+    // sum the warps' partial results
     __shared__ float red[NRED][WARPS][32];
-    red[0][warp][lane] = tot[0];
-    red[1][warp][lane] = tot[1];
-    red[2][warp][lane] = tot[2];
-    red[3][warp][lane] = tot[3];
+    const float sums[NRED] = {tot[0], tot[1], tot[2], tot[3],
 #if GATED
-    red[4][warp][lane] = totu[0];
-    red[5][warp][lane] = totu[1];
-    red[6][warp][lane] = totu[2];
-    red[7][warp][lane] = totu[3];
+                              totu[0], totu[1], totu[2], totu[3],
 #endif
 #if NORM
-    red[4 + 4 * GATED][warp][lane] = sq[0];
-    red[5 + 4 * GATED][warp][lane] = sq[1];
+                              sq[0], sq[1],
 #endif
+    };
+    store_warp_sums<NRED, WARPS>(red, sums, warp, lane);
     __syncthreads();
     if (warp != 0) return;
     float v[NRED];
-#pragma unroll
-    for (int e = 0; e < NRED; ++e) {
-        float s = 0.f;
-#pragma unroll
-        for (int w2 = 0; w2 < WARPS; ++w2) s += red[e][w2][lane];
-        v[e] = s;
-    }
+    add_warp_sums<NRED, WARPS>(v, red, lane);
 #if SPLIT > 1
     // partial[rb][split][value][lane]; the ticket's last taker adds the SPLIT partials in split order
     float* mine = partial + ((size_t)(rb * SPLIT + split) * NRED) * 32 + lane;

@@ -217,30 +217,19 @@ int4_stream_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_
         }
 
         float (*r)[WARPS][32] = red[ti & 1];
-        r[0][warp][lane] = tot[0];
-        r[1][warp][lane] = tot[1];
-        r[2][warp][lane] = tot[2];
-        r[3][warp][lane] = tot[3];
+        const float sums[NRED] = {tot[0], tot[1], tot[2], tot[3],
 #if GATED
-        r[4][warp][lane] = totu[0];
-        r[5][warp][lane] = totu[1];
-        r[6][warp][lane] = totu[2];
-        r[7][warp][lane] = totu[3];
+                                  totu[0], totu[1], totu[2], totu[3],
 #endif
 #if NORM
-        r[4 + 4 * GATED][warp][lane] = sq[0];
-        r[5 + 4 * GATED][warp][lane] = sq[1];
+                                  sq[0], sq[1],
 #endif
+        };
+        store_warp_sums<NRED, WARPS>(r, sums, warp, lane);
         __syncthreads();
         if (warp != 0) continue;
         float v[NRED];
-#pragma unroll
-        for (int e = 0; e < NRED; ++e) {
-            float sum = 0.f;
-#pragma unroll
-            for (int w2 = 0; w2 < WARPS; ++w2) sum += r[e][w2][lane];
-            v[e] = sum;
-        }
+        add_warp_sums<NRED, WARPS>(v, r, lane);
 #if NORM
         const float rstd = rsqrtf(__shfl_sync(0xFFFFFFFFu, v[4 + 4 * GATED], 0) / k + eps);   // token 0: lane 0
 #endif
