@@ -28,11 +28,6 @@
 #define NW_STAGE (X_STAGE + FFN * 2)
 #define SMEM_BYTES (NW_STAGE + DIM * 2)
 
-// one k-step of a 16-row tile: the A operand from the lane's packed word (int4_mma_gemv.cu's layout), B = x
-__device__ __forceinline__ void mma_int4(float* d, u32 w, const u32* b) {
-    mma_bf16(d, nibble_pair(w), nibble_pair(w >> 4), nibble_pair(w >> 8), nibble_pair(w >> 12), b[0], b[1]);
-}
-
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     const u32 s = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");

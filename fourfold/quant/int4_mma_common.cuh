@@ -58,6 +58,11 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// one k-step of a 16-row tile: A from the lane's packed word (its 8 nibbles in fragment order), B = x fragments b
+__device__ __forceinline__ void mma_int4(float* d, u32 w, const u32* b) {
+    mma_bf16(d, nibble_pair(w), nibble_pair(w >> 4), nibble_pair(w >> 8), nibble_pair(w >> 12), b[0], b[1]);
+}
+
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {   // rounded to nearest, as a bf16 multiply
     u32 r;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));

@@ -213,13 +213,11 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
                 const u32* b = xb[step];
 #endif
                 const u32 w = wq[j];
-                mma_bf16(acc[j & 1], nibble_pair(w), nibble_pair(w >> 4), nibble_pair(w >> 8),
-                         nibble_pair(w >> 12), b[0], b[1]);
+                mma_int4(acc[j & 1], w, b);
                 mma_bf16(xs[j & 1], ONES, ONES, ONES, ONES, b[0], b[1]);
 #if GATED
                 const u32 v = uq[j];
-                mma_bf16(accu[j & 1], nibble_pair(v), nibble_pair(v >> 4), nibble_pair(v >> 8),
-                         nibble_pair(v >> 12), b[0], b[1]);
+                mma_int4(accu[j & 1], v, b);
 #endif
                 if ((step + 1) % GS == 0) {
                     flush_group(tot, acc, xs, sg0[step / GS], sg1[step / GS]);

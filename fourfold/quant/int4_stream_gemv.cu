@@ -197,12 +197,10 @@ int4_stream_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_
                         }
                     }
                     const u32 w = wq[j];
-                    mma_bf16(acc[j & 1], nibble_pair(w), nibble_pair(w >> 4), nibble_pair(w >> 8),
-                             nibble_pair(w >> 12), xb[j][0], xb[j][1]);
+                    mma_int4(acc[j & 1], w, xb[j]);
 #if GATED
                     const u32 v = uq[j];
-                    mma_bf16(accu[j & 1], nibble_pair(v), nibble_pair(v >> 4), nibble_pair(v >> 8),
-                             nibble_pair(v >> 12), xb[j][0], xb[j][1]);
+                    mma_int4(accu[j & 1], v, xb[j]);
 #endif
                     if ((step + 1) % GS == 0) {
                         flush_group_row(tot, acc, xsum[step / GS], sc[0][step / GS], sc[1][step / GS]);
