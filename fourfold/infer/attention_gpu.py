@@ -17,8 +17,9 @@ softmax. Decode steps (T == S: one query per sequence) use one-token tiles and s
 several programs when the batch alone cannot fill the GPU (split-KV, then a small combine kernel).
 The launch grid and the split count depend only on tensor shapes, and nothing reads device values on the
 host, so a decode step can be captured in a CUDA graph. fourfold.infer.decode_attention_gpu (rotary in
-front of the decode branch) shares the chunk loop `attend_chunks`, `store_split`, the split rule
-`decode_splits`, the partial buffers `split_buffers` and the combine `combine_splits`.
+front of the decode branch) shares the chunk loop `attend_chunks` (and its two halves, `load_chunk` and
+`attend_chunk`), `store_split`, the split rule `decode_splits`, the partial buffers `split_buffers` and the
+combine `combine_splits`.
 
 Triton is optional: `available()` says whether it imported; CPU users use the torch reference. The
 tests run the kernel on CPU under TRITON_INTERPRET=1.
@@ -95,53 +96,73 @@ if triton is not None:
         per_split = tl.cdiv(chunks, SPLITS)
         chunk_begin = split * per_split
         chunk_end = tl.minimum(chunks, chunk_begin + per_split)
+        acc, m_i, l_i = softmax_start(BLOCK_M * G_PAD, D_PAD)
         acc, m_i, l_i = attend_chunks(q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
                                       block_tables_ptr + seq * stride_bt, chunk_begin, chunk_end, kv_len, position,
                                       scale, max_blocks, stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_valid,
-                                      0, 0, BLOCK_M * G_PAD, D_PAD, BLOCK_N, BLOCK_SIZE, False)
+                                      0, 0, acc, m_i, l_i, BLOCK_N, BLOCK_SIZE, False)
         store_split(acc, m_i, l_i, out_ptr, lse_ptr, q_begin + token, head, dims, split, stride_ot, stride_oh,
                     stride_os, row_valid, dim_valid, SPLITS)
 
     @triton.jit
+    def softmax_start(ROWS: tl.constexpr, D_PAD: tl.constexpr):
+        """(acc, m_i, l_i) of an online softmax over no positions yet."""
+        return (tl.zeros([ROWS, D_PAD], tl.float32), tl.full([ROWS], float("-inf"), tl.float32),
+                tl.zeros([ROWS], tl.float32))
+
+    @triton.jit
+    def load_chunk(k_ptr, v_ptr, table_ptr, chunk, kv_len, max_blocks, stride_kb, stride_ks, stride_vb, stride_vs,
+                   dims, dim_valid, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NEW_KV_IN_REGISTERS: tl.constexpr):
+        """(k, v), each (BLOCK_N, D_PAD): KV chunk `chunk` of the pool (k_ptr / v_ptr at the KV head, table_ptr at
+        the sequence's block-table row); positions at or past kv_len (NEW_KV_IN_REGISTERS: kv_len - 1) read 0."""
+        kv_pos = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        page = kv_pos // BLOCK_SIZE
+        block = tl.load(table_ptr + page, mask=page < max_blocks, other=0).to(tl.int64)
+        slot = kv_pos % BLOCK_SIZE
+        in_pool = kv_pos < kv_len
+        if NEW_KV_IN_REGISTERS:
+            in_pool = kv_pos < kv_len - 1
+        mask = in_pool[:, None] & dim_valid[None, :]
+        k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :], mask=mask,
+                    other=0.0)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :], mask=mask,
+                    other=0.0)
+        return k, v
+
+    @triton.jit
+    def attend_chunk(q, k, v, chunk, kv_len, position, scale, acc, m_i, l_i, k_new, v_new, BLOCK_N: tl.constexpr,
+                     NEW_KV_IN_REGISTERS: tl.constexpr):
+        """One online-softmax step: q's rows over chunk `chunk`'s k / v (from load_chunk), row r seeing positions
+        0..position[r] below kv_len; the new (acc, m_i, l_i). NEW_KV_IN_REGISTERS: position kv_len - 1 is
+        k_new / v_new (D_PAD,)."""
+        kv_pos = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_valid = kv_pos < kv_len
+        if NEW_KV_IN_REGISTERS:
+            current = (kv_pos == kv_len - 1)[:, None]
+            k = tl.where(current, k_new[None, :], k)
+            v = tl.where(current, v_new[None, :], v)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        visible = (kv_pos[None, :] <= position[:, None]) & kv_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return acc, m_new, l_i
+
+    @triton.jit
     def attend_chunks(q, k_ptr, v_ptr, table_ptr, chunk_begin, chunk_end, kv_len, position, scale, max_blocks,
-                      stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_valid, k_new, v_new,
-                      ROWS: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      NEW_KV_IN_REGISTERS: tl.constexpr):
-        """(acc, m_i, l_i): online softmax of q's ROWS rows over the KV chunks chunk_begin..chunk_end-1 of
-        positions 0..kv_len-1, row r seeing positions 0..position[r]; k_ptr / v_ptr point at the KV head,
-        table_ptr at the sequence's block-table row. NEW_KV_IN_REGISTERS (fourfold.infer.decode_attention_gpu):
-        position kv_len - 1 is k_new / v_new (D_PAD,), never read from the pool."""
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, D_PAD], tl.float32)
-        offsets = tl.arange(0, BLOCK_N)
+                      stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_valid, k_new, v_new, acc, m_i, l_i,
+                      BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NEW_KV_IN_REGISTERS: tl.constexpr):
+        """(acc, m_i, l_i) carried on from the given ones (softmax_start: none yet) over the KV chunks
+        chunk_begin..chunk_end-1: load_chunk then attend_chunk for each."""
         for chunk in range(chunk_begin, chunk_end):
-            kv_pos = chunk * BLOCK_N + offsets
-            page = kv_pos // BLOCK_SIZE
-            block = tl.load(table_ptr + page, mask=page < max_blocks, other=0).to(tl.int64)
-            slot = kv_pos % BLOCK_SIZE
-            kv_valid = kv_pos < kv_len
-            in_pool = kv_valid
-            if NEW_KV_IN_REGISTERS:
-                in_pool = kv_pos < kv_len - 1
-            k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :],
-                        mask=in_pool[:, None] & dim_valid[None, :], other=0.0)
-            if NEW_KV_IN_REGISTERS:
-                k = tl.where((kv_pos == kv_len - 1)[:, None], k_new[None, :], k)
-            scores = tl.dot(q, tl.trans(k)) * scale
-            visible = (kv_pos[None, :] <= position[:, None]) & kv_valid[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :],
-                        mask=in_pool[:, None] & dim_valid[None, :], other=0.0)
-            if NEW_KV_IN_REGISTERS:
-                v = tl.where((kv_pos == kv_len - 1)[:, None], v_new[None, :], v)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            k, v = load_chunk(k_ptr, v_ptr, table_ptr, chunk, kv_len, max_blocks, stride_kb, stride_ks, stride_vb,
+                              stride_vs, dims, dim_valid, BLOCK_N, BLOCK_SIZE, NEW_KV_IN_REGISTERS)
+            acc, m_i, l_i = attend_chunk(q, k, v, chunk, kv_len, position, scale, acc, m_i, l_i, k_new, v_new,
+                                         BLOCK_N, NEW_KV_IN_REGISTERS)
         return acc, m_i, l_i
 
     @triton.jit

@@ -14,12 +14,20 @@ a step can be captured in a CUDA graph). Each program loads its kv head's GROUP 
 new key and the new value from the q|k|v row and rotates q and k with fused_ops.rotate_rounded, bit for bit
 the old path's. Split 0 writes the new key and value to the pool slot, as rotary_kv_write does. Programs of
 other splits may run before that write lands, so no program reads the current position (seq_len - 1) from
-the pool: the chunk that holds it swaps the new k / v row in from registers (attention_gpu.attend_chunks
-with NEW_KV_IN_REGISTERS). The online softmax over the split's chunks, the partials and log-sum-exps (in
+the pool: the chunk that holds it swaps the new k / v row in from registers (attention_gpu.load_chunk and
+attend_chunk with NEW_KV_IN_REGISTERS). The online softmax over the split's chunks, the partials and log-sum-exps (in
 attention_gpu.split_buffers' layout) and the combine (attention_gpu.combine_splits, one program per (token,
 head), skipped for one split) are attention_gpu's own, so with the same split count the output equals the
 old path's up to how the compiler schedules the same operations. Padded graph rows (position 0, seq_len 1,
 slot in the scratch block) read nothing from the pool and write only their own scratch slot.
+
+Only the q|k|v row comes from the previous kernel (the q|k|v projection). The host staged the step's lengths,
+positions and block tables, and earlier steps wrote the pool rows below seq_len - 1 (a step's kernels start after
+its input copies, which wait for all earlier work), so each program loads those, the rotary tables and its first
+chunk's keys and values before its programmatic-launch wait (attention_gpu.load_chunk, then
+attention_gpu.attend_chunk on the loaded tiles, attend_chunks for the rest). At batch 1 a split holds one chunk,
+so after the wait a program reads only the q|k|v row: 4.2-6.1 against 4.8-7.2 us a layer at contexts 128-2048
+(H200, llama-1b shapes, bench/decode_attention_check.py; bench/results/2026-11-24-h200-host-step/).
 
 Why not one kernel: an earlier version did the combine in the attention kernel too (the last split to
 finish, found with an atomic ticket on per-(token, kv head) counters after gpu-scope fences, read all the
@@ -63,7 +71,7 @@ def supports(head_dim: int, n_heads: int, n_kv_heads: int) -> bool:
 if triton is not None:
     import triton.language as tl
 
-    from fourfold.infer.attention_gpu import attend_chunks, store_split
+    from fourfold.infer.attention_gpu import attend_chunk, attend_chunks, load_chunk, softmax_start, store_split
     from fourfold.infer.fused_ops import rotate_rounded
     from fourfold.ops.triton_launch import pdl_signal, pdl_wait
 
@@ -83,16 +91,29 @@ if triton is not None:
                                  G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                                  SPLITS: tl.constexpr, PDL: tl.constexpr):
         pdl_signal(PDL)
-        pdl_wait(PDL)
         token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # Before the wait, all but the q|k|v row: the host staged the step's inputs and earlier steps wrote the
+        # pool rows read here (positions below seq_len - 1), so the first chunk's k / v and the rotary tables
+        # are in flight while the previous kernel finishes.
         seq_len = tl.load(seq_lens_ptr + token)
         pos = tl.load(pos_ptr + token)
         dims = tl.arange(0, HEAD_DIM)
-        first_half = dims < HEAD_DIM // 2
-        partner = (dims + HEAD_DIM // 2) % HEAD_DIM  # the element rotate_half pairs with
+        dim_valid = dims < HEAD_DIM
         dt = qkv_ptr.dtype.element_ty
         c = tl.load(cos_ptr + pos * stride_cos + dims).to(dt).to(tl.float32)
         s = tl.load(sin_ptr + pos * stride_cos + dims).to(dt).to(tl.float32)
+        # attention_gpu._attend_kernel's decode branch (one-token tile, kv_len = seq_len), current k / v swapped in
+        chunks = tl.cdiv(seq_len, BLOCK_N)
+        per_split = tl.cdiv(chunks, SPLITS)
+        chunk_begin = split * per_split
+        chunk_end = tl.minimum(chunks, chunk_begin + per_split)
+        k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+        table = block_tables_ptr + token * stride_bt
+        k_first, v_first = load_chunk(k_head, v_head, table, chunk_begin, seq_len, max_blocks, stride_kb, stride_ks,
+                                      stride_vb, stride_vs, dims, dim_valid, BLOCK_N, BLOCK_SIZE, True)
+        pdl_wait(PDL)
+        first_half = dims < HEAD_DIM // 2
+        partner = (dims + HEAD_DIM // 2) % HEAD_DIM  # the element rotate_half pairs with
         row = qkv_ptr + token * stride_qkv
         rows = tl.arange(0, G_PAD)
         row_valid = rows < GROUP
@@ -100,24 +121,21 @@ if triton is not None:
         q = _rotated(row + head[:, None] * HEAD_DIM, dims[None, :], partner[None, :], first_half[None, :],
                      c[None, :], s[None, :], row_valid[:, None])
         k_new = _rotated(row + (HQ + kv_head) * HEAD_DIM, dims, partner, first_half, c, s,
-                         dims < HEAD_DIM).to(k_ptr.dtype.element_ty)
+                         dim_valid).to(k_ptr.dtype.element_ty)
         v_new = tl.load(row + (HQ + HKV + kv_head) * HEAD_DIM + dims).to(v_ptr.dtype.element_ty)
         if split == 0:  # the pool write of rotary_kv_write; nobody in this launch reads it back
             slot = tl.load(slot_ptr + token)
             page, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
             tl.store(k_ptr + page * stride_kb + offset * stride_ks + kv_head * stride_kh + dims, k_new)
             tl.store(v_ptr + page * stride_vb + offset * stride_vs + kv_head * stride_vh + dims, v_new)
-        # attention_gpu._attend_kernel's decode branch (one-token tile, kv_len = seq_len), current k / v swapped in
-        chunks = tl.cdiv(seq_len, BLOCK_N)
-        per_split = tl.cdiv(chunks, SPLITS)
-        chunk_begin = split * per_split
-        chunk_end = tl.minimum(chunks, chunk_begin + per_split)
-        dim_valid = dims < HEAD_DIM
-        acc, m_i, l_i = attend_chunks(q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
-                                      block_tables_ptr + token * stride_bt, chunk_begin, chunk_end, seq_len,
-                                      tl.full([G_PAD], seq_len - 1, tl.int32), scale, max_blocks, stride_kb,
-                                      stride_ks, stride_vb, stride_vs, dims, dim_valid, k_new, v_new, G_PAD,
-                                      HEAD_DIM, BLOCK_N, BLOCK_SIZE, True)
+        # An empty split's first chunk lies past seq_len: every position masked, so that step changes nothing.
+        position = tl.full([G_PAD], seq_len - 1, tl.int32)
+        acc, m_i, l_i = softmax_start(G_PAD, HEAD_DIM)
+        acc, m_i, l_i = attend_chunk(q, k_first, v_first, chunk_begin, seq_len, position, scale, acc, m_i, l_i,
+                                     k_new, v_new, BLOCK_N, True)
+        acc, m_i, l_i = attend_chunks(q, k_head, v_head, table, chunk_begin + 1, chunk_end, seq_len, position, scale,
+                                      max_blocks, stride_kb, stride_ks, stride_vb, stride_vs, dims, dim_valid, k_new,
+                                      v_new, acc, m_i, l_i, BLOCK_N, BLOCK_SIZE, True)
         store_split(acc, m_i, l_i, out_ptr, lse_ptr, token, head, dims, split, stride_ot, stride_oh, stride_os,
                     row_valid, dim_valid, SPLITS)
 
