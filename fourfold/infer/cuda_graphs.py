@@ -23,8 +23,9 @@ torch.compile without its own CUDA graphs (we capture ours); leave it off unless
 Two shortcuts for the engine's runner, where a step's wall time at batch 1 is ~0.5 ms of graph and
 every other kernel or copy around it costs a few microseconds:
 - `stage(arrays, upload)` puts a decode step's host arrays (fourfold.infer.step_tensors.host_step),
-  padded on the host, straight into the graph's static buffers: two copies from pinned memory (tokens,
-  positions and slots; block tables and lengths) instead of two uploads and six device copies in `load`.
+  padded on the host, straight into the graph's static buffers: one copy from pinned memory (tokens,
+  positions and slots, block tables and lengths: fourfold.infer.packed_inputs) instead of two uploads and six
+  device copies in `load`.
   `run` sees the staged step (its tensors are views of the buffers) and loads nothing.
 - every graph also takes the argmax of its logits (the sampler's greedy_argmax), so `greedy_ids()` after
   `run` gives the greedy tokens of the step without a float32 copy of the logits or a kernel outside the graph.
@@ -40,6 +41,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from fourfold.infer.packed_inputs import PackedInputs
 from fourfold.infer.sampler import greedy_argmax
 from fourfold.infer.step_tensors import StepTensors
 
@@ -87,10 +89,11 @@ class StaticDecodeInputs:
     def __init__(self, batch: int, max_blocks: int, scratch_block: int, block_size: int, device: torch.device):
         self.batch, self.max_blocks, self.scratch_block = batch, max_blocks, scratch_block
         self.scratch_slot = scratch_block * block_size
-        # two flat buffers, so a staged step arrives in two copies: int64 tokens | positions | slots, and
-        # int32 block tables | sequence lengths
-        self.wide = torch.zeros(3 * batch, dtype=torch.long, device=device)
-        self.narrow = torch.full((batch * max_blocks + batch,), scratch_block, dtype=torch.int32, device=device)
+        # one buffer, so a staged step arrives in one copy: int64 tokens | positions | slots, then int32 block
+        # tables | sequence lengths
+        self.packed = PackedInputs(3 * batch, batch * max_blocks + batch, device)
+        self.wide, self.narrow = self.packed.wide, self.packed.narrow
+        self.narrow.fill_(scratch_block)
         self.tokens, self.positions, self.slot_mapping = self.wide.view(3, batch).unbind(0)
         self.slot_mapping.fill_(self.scratch_slot)
         self.block_tables = self.narrow[:batch * max_blocks].view(batch, max_blocks)
@@ -98,6 +101,7 @@ class StaticDecodeInputs:
         self.seq_lens.fill_(1)
         self.query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)  # one query each
         self.logits_for = torch.arange(batch, dtype=torch.long, device=device)  # every row samples
+        self._views: dict[int, StepTensors] = {}
 
     def as_args(self) -> tuple[torch.Tensor, ...]:
         return (self.tokens, self.positions, self.slot_mapping, self.block_tables, self.seq_lens,
@@ -120,23 +124,28 @@ class StaticDecodeInputs:
             self.seq_lens[n:].fill_(1)
         return n
 
-    def host_buffers(self, tokens, positions, slots, tables, lens) -> tuple[np.ndarray, np.ndarray]:
-        """The contents of `wide` and `narrow` for a decode step of S <= batch sequences (host_step's
+    def host_bytes(self, tokens, positions, slots, tables, lens) -> np.ndarray:
+        """The contents of the buffers (`packed.data`) for a decode step of S <= batch sequences (host_step's
         arrays), its rows past S padded as `load` pads them."""
         n, width, b = len(tokens), tables.shape[1], self.batch
-        wide = np.zeros(3 * b, dtype=np.int64)
+        host = self.packed.host_array()
+        wide, narrow = self.packed.host_views(host)
         wide[:n], wide[b:b + n], wide[2 * b:2 * b + n] = tokens, positions, slots
-        wide[2 * b + n:] = self.scratch_slot
-        narrow = np.full(b * self.max_blocks + b, self.scratch_block, dtype=np.int32)
+        wide[n:b], wide[b + n:2 * b], wide[2 * b + n:] = 0, 0, self.scratch_slot
+        narrow.fill(self.scratch_block)
         narrow[:b * self.max_blocks].reshape(b, self.max_blocks)[:n, :width] = tables
         narrow[b * self.max_blocks:] = 1
         narrow[b * self.max_blocks:b * self.max_blocks + n] = lens
-        return wide, narrow
+        return host
 
     def step_views(self, n: int) -> StepTensors:
-        """The first `n` sequences' rows of the buffers, as the step `stage` hands back."""
-        return StepTensors(self.tokens[:n], self.positions[:n], self.slot_mapping[:n], self.block_tables[:n],
-                           self.seq_lens[:n], self.query_start[:n + 1], self.logits_for[:n])
+        """The first `n` sequences' rows of the buffers, as the step `stage` hands back (made once per `n`)."""
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = StepTensors(self.tokens[:n], self.positions[:n], self.slot_mapping[:n],
+                                                 self.block_tables[:n], self.seq_lens[:n], self.query_start[:n + 1],
+                                                 self.logits_for[:n])
+        return views
 
     def holds(self, st) -> bool:
         """Whether `st` is a step staged into these buffers (its tensors are their views)."""
@@ -184,16 +193,14 @@ class DecodeGraphs:
         return self.fits(st.tokens.shape[0], st.seq_lens.shape[0], st.logits_for.shape[0], st.block_tables.shape[1])
 
     def stage(self, arrays: Sequence[np.ndarray], upload: Callable[..., torch.Tensor]) -> StepTensors | None:
-        """Copy a decode step's host arrays (host_step's seven) into its graph's static buffers through
+        """Copy a decode step's host arrays (host_step's seven) into its graph's static buffers in one
         `upload(values, dtype, out=buffer)`; the step as views of those buffers, or None when no graph runs it."""
         tokens, positions, slots, tables, lens, _, logits_for = arrays
         n = len(lens)
         if n == 0 or not self.fits(len(tokens), n, len(logits_for), tables.shape[1]):
             return None
         inputs = self.inputs[bucket_for(n, self.sizes)]
-        wide, narrow = inputs.host_buffers(tokens, positions, slots, tables, lens)
-        upload(wide, torch.long, out=inputs.wide)
-        upload(narrow, torch.int32, out=inputs.narrow)
+        upload(inputs.host_bytes(tokens, positions, slots, tables, lens), torch.uint8, out=inputs.packed.data)
         return inputs.step_views(n)
 
     @torch.inference_mode()

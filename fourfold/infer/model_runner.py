@@ -14,9 +14,9 @@ work, no syncs on the GPU kernel path): the CUDA-graph wrapper (fourfold.infer.c
 it over static StepTensors padded to a fixed batch size. With `fuse=True` (on CUDA by default) a whole
 fourfold Llama runs through fourfold.infer.fused_decoder (fused q|k|v and gate|up weights, fused
 elementwise kernels); tensor-parallel and pipeline models keep the model's own forward. The step's index
-arrays are built with numpy (fourfold.infer.step_tensors.host_step); on CUDA they go up in two
-non-blocking copies from pinned host buffers, for a decode step a graph replays straight into the graph's
-static buffers (DecodeGraphs.stage).
+arrays are built with numpy (fourfold.infer.step_tensors.host_step); on CUDA they go up in non-blocking
+copies from pinned host buffers: two for an eager step, one for a step a graph replays, straight into the
+graph's static buffers (DecodeGraphs.stage, PrefillGraphs.stage).
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ class ModelRunner:
         self._upload_turn: dict[torch.dtype, int] = {}
         self._downloads: list = [(None, None)] * DOWNLOAD_RING  # (pinned buffer, event after its copy)
         self._download_turn = 0
+        # an int index makes torch.cuda.current_stream a lookup (a device without one is resolved on every call)
+        self._device_index = (device.index if device.index is not None else torch.cuda.current_device()
+                              if device.type == "cuda" else None)
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """On CUDA with the Triton kernel: capture decode steps of up to `max_batch` sequences (padded sizes)."""
@@ -130,10 +133,14 @@ class ModelRunner:
             out = buf[:host.numel()].to(self.device, non_blocking=True)
         else:
             out = out[:host.numel()].copy_(buf[:host.numel()], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        ring[turn] = (buf, event)
+        ring[turn] = (buf, self._record_event())
         return out
+
+    def _record_event(self) -> torch.cuda.Event:
+        """An event recorded now on the device's current stream (after the copies just queued there)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device_index))
+        return event
 
     def download(self, values: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
         """A host copy of `values` (1-D) under way and the event after which it is complete (CPU: `values`, None).
@@ -153,8 +160,7 @@ class ModelRunner:
             buf = torch.empty(max(n, 512), dtype=values.dtype, pin_memory=True)
         host = buf[:n]
         host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        event = self._record_event()
         self._downloads[turn] = (buf, event)
         return host, event
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from fourfold.infer.cuda_graphs import bucket_for, capture_graphs
+from fourfold.infer.packed_inputs import PackedInputs
 from fourfold.infer.step_tensors import StepTensors
 
 DEFAULT_TOKEN_SIZES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -59,20 +60,20 @@ class StaticPrefillInputs:
 
     def __init__(self, size: int, max_blocks: int, scratch_block: int, block_size: int, device: torch.device):
         self.size, self.max_blocks, self.scratch_block, self.block_size = size, max_blocks, scratch_block, block_size
-        # int64 tokens | positions | slots | logits_for, and int32 block tables | lengths | query starts: a staged
-        # step arrives in two copies
-        self.wide = torch.zeros(3 * size + 1, dtype=torch.long, device=device)
-        self.narrow = torch.zeros(2 * max_blocks + 2 + 3, dtype=torch.int32, device=device)
+        # int64 tokens | positions | slots | logits_for, then int32 block tables | lengths | query starts: a staged
+        # step arrives in one copy (fourfold.infer.packed_inputs)
+        self.packed = PackedInputs(3 * size + 1, 2 * max_blocks + 2 + 3, device)
+        self.wide, self.narrow = self.packed.wide, self.packed.narrow
         self.tokens, self.positions, self.slot_mapping = self.wide[:3 * size].view(3, size).unbind(0)
         self.logits_for = self.wide[3 * size:]
         self.block_tables = self.narrow[:2 * max_blocks].view(2, max_blocks)
         self.seq_lens = self.narrow[2 * max_blocks:2 * max_blocks + 2]
         self.query_start = self.narrow[2 * max_blocks + 2:]
         self.pad_positions, self.pad_slots = self._padding(size)
-        wide, narrow = self.host_buffers(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                                         np.zeros((1, 0), np.int32), np.zeros(1, np.int32), np.zeros(0, np.int64))
-        self.wide.copy_(torch.from_numpy(wide))   # until a step arrives: all padding (what capture runs on)
-        self.narrow.copy_(torch.from_numpy(narrow))
+        padding = self.host_bytes(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                                  np.zeros((1, 0), np.int32), np.zeros(1, np.int32), np.zeros(0, np.int64))
+        self.packed.data.copy_(torch.from_numpy(padding))   # until a step arrives: all padding (what capture runs on)
+        self._views: dict[tuple[int, int], StepTensors] = {}
 
     def _padding(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Positions and slots of `count` padding tokens: 0, 1, ... and the scratch block's slots in turn."""
@@ -83,38 +84,41 @@ class StaticPrefillInputs:
         return (self.tokens, self.positions, self.slot_mapping, self.block_tables, self.seq_lens,
                 self.query_start, self.logits_for)
 
-    def host_buffers(self, tokens, positions, slots, tables, lens, logits_for) -> tuple[np.ndarray, np.ndarray]:
-        """The contents of `wide` and `narrow` for a one-sequence step (host_step's arrays) of at most `size`
-        tokens, padded as the module docstring says."""
+    def host_bytes(self, tokens, positions, slots, tables, lens, logits_for) -> np.ndarray:
+        """The contents of the buffers (`packed.data`) for a one-sequence step (host_step's arrays) of at most
+        `size` tokens, padded as the module docstring says."""
         n, p, width = len(tokens), self.size, tables.shape[1]
         pad = p - n
-        wide = np.zeros(3 * p + 1, dtype=np.int64)
+        host = self.packed.host_array()
+        wide, narrow = self.packed.host_views(host)
         wide[:n], wide[p:p + n], wide[2 * p:2 * p + n] = tokens, positions, slots
-        wide[p + n:2 * p], wide[2 * p + n:3 * p] = self.pad_positions[:pad], self.pad_slots[:pad]
+        wide[n:p], wide[p + n:2 * p], wide[2 * p + n:3 * p] = 0, self.pad_positions[:pad], self.pad_slots[:pad]
         wide[3 * p] = logits_for[0] if len(logits_for) else max(n - 1, 0)
-        narrow = np.full(2 * self.max_blocks + 5, self.scratch_block, dtype=np.int32)
+        narrow.fill(self.scratch_block)
         narrow[:width] = tables[0]
         lens_at = 2 * self.max_blocks
         narrow[lens_at:lens_at + 5] = (lens[0] if n else 0, pad, 0, n, p)   # seq_lens, then query_start
-        return wide, narrow
+        return host
 
     def load(self, st) -> None:
         """Copy a one-sequence step's device tensors into the buffers (a step `stage` did not put there)."""
         host = [t.cpu().numpy() for t in (st.tokens, st.positions, st.slot_mapping, st.block_tables, st.seq_lens,
                                           st.logits_for)]
-        wide, narrow = self.host_buffers(*host)
-        self.wide.copy_(torch.from_numpy(wide), non_blocking=True)
-        self.narrow.copy_(torch.from_numpy(narrow), non_blocking=True)
+        self.packed.data.copy_(torch.from_numpy(self.host_bytes(*host)), non_blocking=True)
 
     def holds(self, st) -> bool:
         """Whether `st` is a step staged into these buffers (its tensors are their views)."""
         return st.tokens.data_ptr() == self.tokens.data_ptr() and st.seq_lens.data_ptr() == self.seq_lens.data_ptr()
 
     def step_views(self, n_tokens: int, n_sampled: int) -> StepTensors:
-        """The staged step as the runner sees it: its own tokens, one sequence, the rows it samples."""
-        return StepTensors(self.tokens[:n_tokens], self.positions[:n_tokens], self.slot_mapping[:n_tokens],
-                           self.block_tables[:1], self.seq_lens[:1], self.query_start[:2],
-                           self.logits_for[:n_sampled])
+        """The staged step as the runner sees it: its own tokens, one sequence, the rows it samples (made once per
+        shape)."""
+        views = self._views.get((n_tokens, n_sampled))
+        if views is None:
+            views = self._views[n_tokens, n_sampled] = StepTensors(
+                self.tokens[:n_tokens], self.positions[:n_tokens], self.slot_mapping[:n_tokens], self.block_tables[:1],
+                self.seq_lens[:1], self.query_start[:2], self.logits_for[:n_sampled])
+        return views
 
 
 class PrefillGraphs:
@@ -159,15 +163,14 @@ class PrefillGraphs:
         return any(inputs.holds(st) for inputs in self.inputs.values())
 
     def stage(self, arrays: Sequence[np.ndarray], upload: Callable[..., torch.Tensor]) -> StepTensors | None:
-        """Copy a step's host arrays (host_step's seven) into its graph's static buffers through
+        """Copy a step's host arrays (host_step's seven) into its graph's static buffers in one
         `upload(values, dtype, out=buffer)`; the step as views of those buffers, or None when no graph runs it."""
         tokens, positions, slots, tables, lens, _, logits_for = arrays
         if not self.fits(len(tokens), len(lens), len(logits_for), tables.shape[1]):
             return None
         inputs = self.inputs[bucket_for(len(tokens), self.sizes)]
-        wide, narrow = inputs.host_buffers(tokens, positions, slots, tables, lens, logits_for)
-        upload(wide, torch.long, out=inputs.wide)
-        upload(narrow, torch.int32, out=inputs.narrow)
+        upload(inputs.host_bytes(tokens, positions, slots, tables, lens, logits_for), torch.uint8,
+               out=inputs.packed.data)
         return inputs.step_views(len(tokens), len(logits_for))
 
     @torch.inference_mode()
