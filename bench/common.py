@@ -15,6 +15,21 @@ import tempfile
 import time
 
 
+def time_calls(owner, name: str, totals: dict, key: str, clock=time.perf_counter, counts: dict | None = None) -> None:
+    """Replace `owner.name` by a wrapper that adds each call's `clock()` time to totals[key] (and 1 to counts[key])."""
+    inner = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0 = clock()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[key] += clock() - t0
+            if counts is not None:
+                counts[key] += 1
+    setattr(owner, name, timed)
+
+
 def fourfold_step(preset: str, micro_batch: int, seq: int, overrides: dict, global_batch: int | None = None):
     """fourfold's `Trainer.train_step` for the given overrides (data, loss, clip and optimizer included).
 

@@ -26,25 +26,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import torch  # noqa: E402
 
 import generate  # noqa: E402
+from common import time_calls  # noqa: E402
 from fourfold.infer import cuda_graphs, engine as engine_module, model_runner  # noqa: E402
 from fourfold.infer.requests import SamplingParams  # noqa: E402
-
-
-def wrap(owner, name: str, totals: dict, counts: dict, label: str | None = None) -> None:
-    """Replace owner.name by a wrapper that adds its wall time to totals[label] (skipped if owner has no name)."""
-    inner = getattr(owner, name, None)
-    if inner is None:
-        return
-    label = label or name
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            totals[label] += time.perf_counter() - t0
-            counts[label] += 1
-    setattr(owner, name, timed)
 
 
 def main() -> None:
@@ -64,7 +48,8 @@ def main() -> None:
             (runner.graphs.graphs[1], "replay", None), (torch.cuda.Event, "synchronize", "Event.synchronize"),
             (engine, "_fill_placeholders", None), (engine, "_read", None), (engine, "_launch", None),
             (engine.scheduler, "schedule", None), (engine_module, "build_outputs", None), (engine, "step", None)):
-        wrap(owner, name, totals, counts, label)
+        if hasattr(owner, name):  # main's tree has host_buffers where this one has host_bytes
+            time_calls(owner, name, totals, label or name, counts=counts)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True, detokenize=False)
     for rep in range(3):
         totals.clear()

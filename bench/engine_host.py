@@ -40,6 +40,8 @@ from fourfold.infer.model_runner import ModelRunner
 from fourfold.infer.requests import SamplingParams
 from fourfold.tokenizer import ByteTokenizer
 
+from common import time_calls
+
 WIDTH = 2
 """Logits columns: greedy picks id 1 every step; so narrow that the CPU argmax costs what a GPU launch does."""
 PHASES = ("schedule", "prepare", "sample", "read", "outputs")
@@ -71,15 +73,7 @@ def build(concurrency: int, max_len: int, look_ahead: bool, batched_tokens: int)
 def instrument(engine: LLMEngine, totals: dict) -> None:
     """Wrap the engine's phase methods so their thread CPU time adds up in `totals`."""
     def timed(owner, name, phase):
-        inner = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            t0 = time.thread_time()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                totals[phase] += time.thread_time() - t0
-        setattr(owner, name, wrapper)
+        time_calls(owner, name, totals, phase, time.thread_time)
 
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.scheduler, "after_step", "schedule")

@@ -38,19 +38,13 @@ from fourfold.infer.requests import SamplingParams
 from fourfold.models.llama import Llama
 from fourfold.tokenizer import ByteTokenizer
 
+from common import time_calls
+
 PARTS = ("schedule", "prepare", "forward", "sample", "read_wait", "apply", "outputs")
 
 
 def timed(owner, name, totals, part):
-    inner = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            totals[part] += time.perf_counter() - t0
-    setattr(owner, name, wrapper)
+    time_calls(owner, name, totals, part)
 
 
 def run(engine: LLMEngine, prompts, new_tokens: int, sync) -> tuple[float, int, int]:
