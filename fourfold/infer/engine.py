@@ -15,7 +15,9 @@ requests give their blocks back at once. With `overlap` (EngineConfig.overlap_st
 launches the model and the sampler, then builds the previous step's outputs while the GPU works: each
 `step()` returns the outputs of the step before it (the tokens are the same; stop conditions are checked
 before the next step is scheduled, so no sequence runs past its end). The async API
-(fourfold.infer.async_engine) and the offline `LLM` (fourfold.infer.llm) drive this class.
+(fourfold.infer.async_engine) and the offline `LLM` (fourfold.infer.llm) drive this class. A CUDA engine, once
+built, freezes the Python heap (EngineConfig.freeze_gc, fourfold.infer.gc_freeze) so that garbage-collector runs
+do not traverse the setup's objects in the middle of requests.
 
 The host work per step is kept small (bench/engine_host.py measures it): the step's index arrays are
 built with numpy over the block manager's persistent table rows (fourfold.infer.step_tensors), stop
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fourfold.errors import ConfigError
+from fourfold.infer import gc_freeze
 from fourfold.infer.block_manager import BlockManager
 from fourfold.infer.engine_config import EngineConfig
 from fourfold.infer.kv_pool import KVPool, block_bytes, blocks_for_budget, cuda_budget
@@ -115,6 +118,9 @@ class LLMEngine:
         """
         cfg = cfg or EngineConfig()
         device = device or next(model.parameters()).device
+        freeze = cfg.freeze_gc and device.type == "cuda"
+        if freeze:  # an engine built before may have been dropped: its objects must be collectable again
+            gc_freeze.thaw()
         dtype = next(model.parameters()).dtype
         kv_heads = kv_heads or model.cfg.n_kv_heads
         max_len = min(cfg.max_model_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
@@ -126,7 +132,10 @@ class LLMEngine:
         if cfg.cuda_graphs:
             runner.capture_decode_graphs(cfg.max_num_seqs, max_len)
             runner.capture_prefill_graphs(min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens), max_len)
-        return cls(runner, tokenizer, cfg, max_len, **kwargs)
+        engine = cls(runner, tokenizer, cfg, max_len, **kwargs)
+        if freeze:
+            gc_freeze.freeze()
+        return engine
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:

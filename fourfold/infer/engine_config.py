@@ -50,6 +50,9 @@ class EngineConfig:
     look_ahead_max_seqs: int = setting(256, ge=0)
     """Look ahead only while at most this many sequences run (0: never). It takes the same steps as the plain
     path at any batch (tests/test_engine_look_ahead.py); bench/engine_steps_gpu.py times both side by side."""
+    freeze_gc: bool = setting(True)
+    """On CUDA: once built, collect and freeze the objects that exist (gc.freeze) so later garbage-collector runs skip
+    them; building the next engine undoes it first (fourfold.infer.gc_freeze)."""
     pipeline_micro_batching: bool = setting(True)
     """Pipeline-parallel ranks: split the requests into one micro-batch per stage so every stage works at once
     (fourfold.infer.pipeline_engine); off: one step in flight, the other stages idle while one computes."""

@@ -1,0 +1,75 @@
+"""The heap freeze after a CUDA engine is built (fourfold.infer.gc_freeze): frozen cycles outlive collections until
+`thaw`, a freeze made elsewhere is left alone, CPU engines do not freeze, and on CUDA a dropped engine's memory
+comes back when the next engine is built."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from fourfold.infer import gc_freeze
+from fourfold.infer.engine import LLMEngine
+from fourfold.infer.engine_config import EngineConfig
+from fourfold.tokenizer import ByteTokenizer
+from tests.engine_helpers import tiny_model
+
+
+class Cycle:
+    """An object that refers to itself: only the cyclic collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_frozen_cycles_outlive_collections_until_thaw():
+    obj = Cycle()
+    ref = weakref.ref(obj)
+    gc_freeze.freeze()
+    try:
+        assert gc.get_freeze_count() > 0
+        del obj
+        gc.collect()
+        assert ref() is not None
+    finally:
+        gc_freeze.thaw()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert ref() is None
+
+
+def test_thaw_leaves_a_freeze_made_elsewhere():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        gc_freeze.thaw()  # this module froze nothing since its last thaw
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_cpu_engines_do_not_freeze():
+    before = gc.get_freeze_count()
+    engine = LLMEngine.from_model(tiny_model(), ByteTokenizer(), EngineConfig(block_size=4, num_kv_blocks=16))
+    assert engine.cfg.freeze_gc and gc.get_freeze_count() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="only CUDA engines freeze the heap")
+def test_a_dropped_cuda_engine_is_freed_when_the_next_one_is_built():
+    def build() -> LLMEngine:
+        cfg = EngineConfig(block_size=16, gpu_memory_utilization=0.5, cuda_graphs=False, fused_decoder=False)
+        return LLMEngine.from_model(tiny_model().float().cuda(), ByteTokenizer(), cfg)
+
+    try:
+        first = build()
+        assert gc.get_freeze_count() > 0
+        blocks, ref = first.runner.pool.num_blocks, weakref.ref(first)
+        del first  # its runner holds it in reference cycles, frozen: only a thaw lets the collector free it
+        second = build()
+        assert ref() is None
+        assert second.runner.pool.num_blocks > 0.9 * blocks  # the first pool's memory was given back
+    finally:
+        gc_freeze.thaw()
