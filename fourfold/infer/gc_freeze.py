@@ -3,7 +3,7 @@
 Building an engine (loading a checkpoint, capturing CUDA graphs) leaves ~300,000 tracked objects. Left as they
 are, the garbage collector's first runs after setup traverse them inside the first requests: on an H200
 (llama-1b, bench/generate.py; docs/benchmarks.md "Seventeenth session") single generation-0 and -1 runs took
-3.8-7.4 ms, and a process's first 256-token request ran 23-31 us a step slower than the ones after it (2-6 us
+3.8-7.4 ms, and a process's first 256-token request ran 24-31 us a step slower than the ones after it (1-7 us
 with the freeze).
 `freeze()` collects once and moves the survivors to the permanent generation. Frozen objects are never collected,
 so a dropped engine (its runner and graphs hold it in reference cycles) would stay in GPU memory: `thaw()`, called
