@@ -51,10 +51,18 @@ def test_thaw_leaves_a_freeze_made_elsewhere():
         gc.unfreeze()
 
 
-def test_cpu_engines_do_not_freeze():
+def test_cpu_engines_do_not_freeze_and_any_build_thaws_the_engines_freeze():
     before = gc.get_freeze_count()
     engine = LLMEngine.from_model(tiny_model(), ByteTokenizer(), EngineConfig(block_size=4, num_kv_blocks=16))
     assert engine.cfg.freeze_gc and gc.get_freeze_count() == before
+    gc_freeze.freeze()  # as a CUDA engine's build leaves it
+    try:
+        assert gc.get_freeze_count() > 0
+        LLMEngine.from_model(tiny_model(), ByteTokenizer(),
+                             EngineConfig(block_size=4, num_kv_blocks=16, freeze_gc=False))
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc_freeze.thaw()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="only CUDA engines freeze the heap")

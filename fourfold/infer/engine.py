@@ -118,9 +118,7 @@ class LLMEngine:
         """
         cfg = cfg or EngineConfig()
         device = device or next(model.parameters()).device
-        freeze = cfg.freeze_gc and device.type == "cuda"
-        if freeze:  # an engine built before may have been dropped: its objects must be collectable again
-            gc_freeze.thaw()
+        gc_freeze.thaw()  # an engine built before may have been dropped: its objects must be collectable again
         dtype = next(model.parameters()).dtype
         kv_heads = kv_heads or model.cfg.n_kv_heads
         max_len = min(cfg.max_model_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
@@ -133,7 +131,7 @@ class LLMEngine:
             runner.capture_decode_graphs(cfg.max_num_seqs, max_len)
             runner.capture_prefill_graphs(min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens), max_len)
         engine = cls(runner, tokenizer, cfg, max_len, **kwargs)
-        if freeze:
+        if cfg.freeze_gc and device.type == "cuda":
             gc_freeze.freeze()
         return engine
 
