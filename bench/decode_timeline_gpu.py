@@ -35,6 +35,24 @@ from fourfold.infer.requests import SamplingParams  # noqa: E402
 PROMPT, NEW = 128, 256
 
 
+def recording(fn, durations: list[float], before=None):
+    """`fn` wrapped so that each call's perf_counter time goes onto `durations` (`before()` runs first, untimed)."""
+    def wrapped(*args):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            durations.append(time.perf_counter() - t0)
+    return wrapped
+
+
+def slowest(durations: list[float], n: int) -> list[tuple[int, float]]:
+    """(index, us) of the `n` longest calls."""
+    return [(i, round(1e6 * durations[i], 1)) for i in sorted(range(len(durations)), key=lambda i: -durations[i])[:n]]
+
+
 class Timeline:
     """Events around every replay of `graph`, and the host's view at every `engine._launch` and `engine._read`."""
 
@@ -52,7 +70,7 @@ class Timeline:
             else:
                 self.collections.append((info["generation"], time.perf_counter() - gc_start[0]))
         gc.callbacks.append(on_gc)
-        replay, launch, read = graph.replay, engine._launch, engine._read
+        replay = graph.replay
 
         def timed_replay():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -61,23 +79,13 @@ class Timeline:
             end.record()
             self.replays.append((start, end))
 
-        def timed_launch(*args):
+        def note_idle():
             if query and self.replays:
                 self.idle_at_launch.append(self.replays[-1][1].query())
-            t0 = time.perf_counter()
-            try:
-                return launch(*args)
-            finally:
-                self.launch_s.append(time.perf_counter() - t0)
 
-        def timed_read(*args):
-            t0 = time.perf_counter()
-            try:
-                return read(*args)
-            finally:
-                self.read_s.append(time.perf_counter() - t0)
-
-        graph.replay, engine._launch, engine._read = timed_replay, timed_launch, timed_read
+        graph.replay = timed_replay
+        engine._launch = recording(engine._launch, self.launch_s, before=note_idle)
+        engine._read = recording(engine._read, self.read_s)
 
     def clear(self) -> None:
         for records in (self.replays, self.idle_at_launch, self.launch_s, self.read_s, self.collections):
@@ -89,13 +97,12 @@ class Timeline:
         graph = [1e3 * s.elapsed_time(e) for s, e in self.replays]
         gaps = [1e3 * self.replays[i - 1][1].elapsed_time(self.replays[i][0]) for i in range(1, len(self.replays))]
         gaps.sort()
-        slowest = sorted(range(len(self.launch_s)), key=lambda i: -self.launch_s[i])[:3]
         return {"replays": len(graph), "graph_us": statistics.mean(graph), "gap_us": statistics.mean(gaps),
                 "gap_p50_us": gaps[len(gaps) // 2], "gap_p90_us": gaps[int(0.9 * len(gaps))], "gap_max_us": gaps[-1],
                 "gaps_over_50us": sum(g > 50 for g in gaps), "gaps_over_50us_total_us": sum(g for g in gaps if g > 50),
                 "launches_with_gpu_idle": sum(self.idle_at_launch), "launches": len(self.idle_at_launch),
                 "launch_us": 1e6 * statistics.mean(self.launch_s), "read_us": 1e6 * statistics.mean(self.read_s),
-                "slowest_launches": [(i, round(1e6 * self.launch_s[i], 1)) for i in slowest],
+                "slowest_launches": slowest(self.launch_s, 3),
                 "gc_runs": [(g, round(1e6 * s, 1)) for g, s in self.collections]}
 
 
@@ -113,25 +120,16 @@ def through_engine(llm, prompt: list[int], params: SamplingParams) -> None:
 def generate_py_sequence(llm, setup, vocab: int, long_prompt: list[int], quant) -> dict:
     """generate.py's own sequence after its warm-up: a timed request, then its three ms-a-step figures (each reusing
     that request's time), then three that each time their own long request; and the first request's step times."""
-    step_s, inner_step = [], llm.engine.step
-
-    def timed_step():
-        t0 = time.perf_counter()
-        try:
-            return inner_step()
-        finally:
-            step_s.append(time.perf_counter() - t0)
-    llm.engine.step = timed_step
+    first, inner_step = [], llm.engine.step
+    llm.engine.step = recording(inner_step, first)
     elapsed, _ = generate.timed_generate(llm, [long_prompt], NEW)
-    first = list(step_s)
     llm.engine.step = inner_step
     reused = [generate.decode_ms_per_step(llm, setup, vocab, elapsed) for _ in range(3)]
     fresh = [generate.decode_ms_per_step(llm, setup, vocab) for _ in range(3)]
-    slow = sorted(range(len(first)), key=lambda i: -first[i])[:6]
     print(f"quant={quant} generate.py's three figures (the first request's time reused): "
           f"{[round(v, 4) for v in reused]}; each with its own long request: {[round(v, 4) for v in fresh]}")
     print(f"  first request: wall {1e3 * elapsed:.2f} ms, {len(first)} steps, {1e3 * sum(first):.2f} ms in step(), "
-          f"slowest steps (index, us) {[(i, round(1e6 * first[i])) for i in slow]}, "
+          f"slowest steps (index, us) {slowest(first, 6)}, "
           f"median {1e6 * statistics.median(first):.0f} us", flush=True)
     return {"driver": "generate.py", "reused": reused, "fresh": fresh, "first_request_ms": 1e3 * elapsed,
             "first_request_step_us": [round(1e6 * v, 1) for v in first]}
