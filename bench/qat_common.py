@@ -1,7 +1,7 @@
 """Shared pieces of the QAT-vs-PTQ benchmarks: the training loop, the fine-tune arms, tables and the plot.
 
 bench/qat_vs_ptq.py (a Llama pretrained here) and bench/qat_smollm2.py (an imported SmolLM2) both call
-`compare_arms`: from one base model, N fine-tune steps on the same batches in full precision (the control)
+`run_experiment` (PTQ of the base, then `compare_arms`, then bytes). `compare_arms`: from one base model, N fine-tune steps on the same batches in full precision (the control)
 and with QAT per scheme, then held-out perplexity of the control, of the control's PTQ (fake-quant and
 converted) and of each QAT model (fake-quant and converted), and the recovered fraction
 (ppl(PTQ of control) - ppl(QAT)) / (ppl(PTQ of control) - ppl(control)).
@@ -153,6 +153,28 @@ def compare_arms(base, train_set, evaluate, *, schemes: list[str], steps: int, l
               f"{fp['token_ppl']:.4f}; recovered {r['recovered_token_ppl']} (fake-quant "
               f"{r['recovered_fake_token_ppl']})", flush=True)
     return results, control, arms
+
+
+def schemes_of(csv: str) -> list[str]:
+    """The scheme names of a comma-separated option, empty entries left out."""
+    return [s for s in csv.split(",") if s]
+
+
+def run_experiment(base, train_set, evaluate, cfg, results: dict, a, *, layers: dict, bf16: bool,
+                   weight_decay: float = 0.1) -> None:
+    """Everything after the base's own perplexity, into `results`: PTQ of the base per --ptq-schemes (round to
+    nearest; GPTQ of each --qat-schemes too when --gptq-calibration gives windows), compare_arms over --qat-schemes,
+    and the bytes of the control and of each converted model."""
+    results["base"]["ptq"] = ptq_sweep(base, schemes_of(a.ptq_schemes), evaluate, layers, "base")
+    calibration = calibration_batches(train_set, a.gptq_calibration, a.seed)
+    if calibration:
+        results["base"]["ptq_gptq"] = ptq_sweep(base, schemes_of(a.qat_schemes), evaluate, layers, "base",
+                                                method="gptq", calibration=calibration)
+    arms, control, converted = compare_arms(
+        base, train_set, evaluate, schemes=schemes_of(a.qat_schemes), steps=a.finetune_steps, lr=a.finetune_lr,
+        batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, calibration=calibration, weight_decay=weight_decay)
+    results.update(arms)
+    results["bytes"] = all_bytes(cfg, control, converted)
 
 
 def model_bytes(model, tmp: Path, meta: dict) -> dict:

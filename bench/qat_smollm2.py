@@ -39,7 +39,7 @@ from fourfold.models.llama import Llama  # noqa: E402
 from fourfold.quant.qat import prepare_qat, ptq  # noqa: E402
 from fourfold.tokenizer import load_tokenizer  # noqa: E402
 from fourfold.train.dataset import PackedSequences, token_file  # noqa: E402
-from qat_common import all_bytes, calibration_batches, compare_arms, evaluator, ptq_sweep, write_outputs  # noqa: E402
+from qat_common import calibration_batches, evaluator, run_experiment, schemes_of, write_outputs  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -102,13 +102,13 @@ def ptq_only(base, results: dict, evaluate, a, layers: dict, start: float, calib
     results["base"]["ptq_fake"] = {}
     lines = ["| scheme (PTQ of the base, fake-quant) | token ppl | word ppl | vs full precision |", "|---|---:|---:|---:|",
              f"| full precision | {fp['token_ppl']:.4f} | {fp['word_ppl']:.3f} | |"]
-    for name in [s for s in a.ptq_schemes.split(",") if s]:
+    for name in schemes_of(a.ptq_schemes):
         r = results["base"]["ptq_fake"][name] = evaluate(prepare_qat(copy.deepcopy(base), name, **layers))
         lines.append(f"| {name} | {r['token_ppl']:.4f} | {r['word_ppl']:.3f} | "
                      f"{100 * (r['token_ppl'] / fp['token_ppl'] - 1):+.2f}% |")
         print(lines[-1], flush=True)
     results["base"]["ptq_gptq"] = {}
-    for name in [s for s in a.ptq_schemes.split(",") if s] if calibration else []:
+    for name in schemes_of(a.ptq_schemes) if calibration else []:
         t0 = time.time()
         model = ptq(copy.deepcopy(base), name, method="gptq", calibration=calibration, **layers)
         gptq_seconds = time.time() - t0
@@ -162,17 +162,7 @@ def main() -> int:
     if a.finetune_steps == 0:
         return ptq_only(base, results, evaluate, a, layers, start,
                         calibration_batches(train_set, a.gptq_calibration, a.seed))
-    results["base"]["ptq"] = ptq_sweep(base, [s for s in a.ptq_schemes.split(",") if s], evaluate, layers, "base")
-    calibration = calibration_batches(train_set, a.gptq_calibration, a.seed)
-    if calibration:
-        results["base"]["ptq_gptq"] = ptq_sweep(base, [s for s in a.qat_schemes.split(",") if s], evaluate, layers,
-                                                "base", method="gptq", calibration=calibration)
-    arms, control, converted = compare_arms(
-        base, train_set, evaluate, schemes=[s for s in a.qat_schemes.split(",") if s], steps=a.finetune_steps,
-        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, calibration=calibration,
-        weight_decay=a.weight_decay)
-    results.update(arms)
-    results["bytes"] = all_bytes(cfg, control, converted)
+    run_experiment(base, train_set, evaluate, cfg, results, a, layers=layers, bf16=bf16, weight_decay=a.weight_decay)
     results["seconds"] = time.time() - start
     title = (f"{results['device_name']}: SmolLM2-135M-Instruct, fine-tuned {a.finetune_steps} steps on Python source "
              f"(lr {a.finetune_lr:g}); PTQ vs QAT")

@@ -42,8 +42,7 @@ from fourfold.models.llama import Llama  # noqa: E402
 from fourfold.quant.schemes import PRESETS  # noqa: E402
 from fourfold.tokenizer import load_tokenizer  # noqa: E402
 from fourfold.train.dataset import GlobalBatchSampler, PackedSequences, token_file  # noqa: E402
-from qat_common import (all_bytes, calibration_batches, compare_arms, evaluator, ptq_sweep, train,  # noqa: E402
-                        write_outputs)
+from qat_common import evaluator, run_experiment, train, write_outputs  # noqa: E402
 from qat_report import markdown_tables, plot  # noqa: E402
 
 PTQ_DEFAULT = [n for n in PRESETS if not n.endswith("-fp32")]
@@ -183,16 +182,7 @@ def main() -> int:
                "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "base": {"fp32": evaluate(base)}}
     print(f"base: token ppl {results['base']['fp32']['token_ppl']:.4f}", flush=True)
-    results["base"]["ptq"] = ptq_sweep(base, [s for s in a.ptq_schemes.split(",") if s], evaluate, layers, "base")
-    calibration = calibration_batches(train_set, a.gptq_calibration, a.seed)
-    if calibration:
-        results["base"]["ptq_gptq"] = ptq_sweep(base, [s for s in a.qat_schemes.split(",") if s], evaluate, layers,
-                                                "base", method="gptq", calibration=calibration)
-    arms, control, converted = compare_arms(
-        base, train_set, evaluate, schemes=[s for s in a.qat_schemes.split(",") if s], steps=a.finetune_steps,
-        lr=a.finetune_lr, batch=a.batch, seed=a.seed, layers=layers, bf16=bf16, calibration=calibration)
-    results.update(arms)
-    results["bytes"] = all_bytes(cfg, control, converted)
+    run_experiment(base, train_set, evaluate, cfg, results, a, layers=layers, bf16=bf16)
     results["seconds"] = time.time() - start
     write_outputs(results, Path(a.out), a.plot, title(a))
     print(f"wrote {a.out}/results.json and {a.plot} in {results['seconds']:.0f}s")
