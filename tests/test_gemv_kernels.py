@@ -26,10 +26,10 @@ needs_kernels = pytest.mark.skipif(
     reason="needs Triton on a GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it before triton is imported)")
 
 
-def _runner(model, fuse: bool) -> ModelRunner:
+def _runner(model, fuse: bool, device: str = "cpu") -> ModelRunner:
     cfg = model.cfg
-    pool = KVPool(cfg.n_layers, 32, 4, cfg.n_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
-    return ModelRunner(model, pool, torch.device("cpu"), fuse=fuse)
+    pool = KVPool(cfg.n_layers, 32, 4, cfg.n_kv_heads, cfg.head_dim, torch.float32, torch.device(device))
+    return ModelRunner(model.to(device), pool, torch.device(device), fuse=fuse)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, gated: bool) -> torch.Tensor:
@@ -78,13 +78,14 @@ def test_fused_int4_step_logits_equal_the_converted_model_forward():
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g32-asym"])
 def test_int4_decode_with_norms_in_the_gemvs_equals_the_converted_model_forward(scheme, monkeypatch):
     """Decode steps of an int4 weight-only model run RMSNorm and residual adds inside the int4 GEMVs
-    (FusedDecoder._int4_decode, Triton interpreted on CPU); the logits equal the plain converted model's."""
+    (FusedDecoder._int4_decode; on a GPU, or Triton interpreted on CPU); the logits equal the plain converted
+    model's."""
     from fourfold.infer import fused_decoder
     from fourfold.quant.packing import Int4WeightLinear
 
     model = ptq(tiny_model().float(), scheme)
     fused_model = copy.deepcopy(model)
-    plain, fused = _runner(model, False), _runner(fused_model, True)
+    plain, fused = _runner(model, False, DEVICE), _runner(fused_model, True, DEVICE)
     monkeypatch.setattr(Int4WeightLinear, "uses_gemv", lambda self, x: x.numel() // self.in_features <= 3)
     monkeypatch.setattr(fused_decoder, "INT4_FUSED_NORMS", True)   # the default; set in case an A/B run changed it
     calls = []

@@ -100,3 +100,16 @@ def test_int4_gemm_dequantizes_whole_weights_above_dequant_rows(monkeypatch):
         y = int4_gemm.int4_gemm(x.to(DEVICE), *dev, 32, config=(16, 16, 32, 4, 1))
         assert len(calls) == dequantized
         torch.testing.assert_close(y.double().cpu(), x.double() @ w.T, rtol=1e-5, atol=1e-3)
+
+
+def test_float32_dots_follow_torch_float32_matmul_precision():
+    """float32 activations get full float32 dots unless torch allows TF32 for its own float32 matmuls (on a GPU
+    the tests above then hold their float32 tolerances; TF32 misses them by ~0.1)."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert int4_gemm.dot_precision(torch.float32) == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert int4_gemm.dot_precision(torch.float32) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)

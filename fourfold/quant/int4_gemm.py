@@ -58,7 +58,7 @@ if triton is not None:
                           stride_xm, stride_pn, stride_sn, stride_om,
                           K_STEPS: tl.constexpr, STEPS_PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                           ASYM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT_K: tl.constexpr):
+                          SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)   # m fastest: programs sharing a weight tile run together
         STEPS_PER_SPLIT: tl.constexpr = K_STEPS // SPLIT_K   # split-K (SPLIT_K divides K_STEPS): this program's
         first_step = tl.program_id(2) * STEPS_PER_SPLIT      # share of the K steps
@@ -80,7 +80,7 @@ if triton is not None:
             w_hi, w_lo = _dequant_tile(p.to(tl.int32), s, z, ASYM, x_ptr.dtype.element_ty)
             w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))      # byte j -> k = 2j (high), 2j + 1 (low)
             xv = tl.load(x_rows + step * BLOCK_K + kk[None, :], mask=m_ok[:, None], other=0.0)
-            acc = tl.dot(xv, tl.trans(w), acc)
+            acc = tl.dot(xv, tl.trans(w), acc, input_precision=PRECISION)   # PRECISION: float32 x only
         if SPLIT_K > 1:  # float32 partial sums, (SPLIT_K, M, N); _split_sum_kernel adds them up
             part = part_ptr + tl.program_id(2).to(tl.int64) * M * N + rm64[:, None] * N + rn64[None, :]
             tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -160,6 +160,12 @@ def dequantize_int4(weight_int4: torch.Tensor, scales: torch.Tensor, zero_points
     return w
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for x of `dtype`: float32 as torch's own float32 matmuls (full float32 at torch's
+    default "highest" precision, TF32 once torch.set_float32_matmul_precision allows it); bf16/fp16 ignore it."""
+    return "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
 def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
               group_size: int, bias: torch.Tensor | None = None, asym: bool = True,
               config: tuple[int, ...] | None = None, method: str | None = None) -> torch.Tensor:
@@ -186,8 +192,8 @@ def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
     _int4_gemm_kernel[grid](x2, weight_int4, scales, zero_points, bias_arg, out, part, m, n,
                             x2.stride(0), weight_int4.stride(0), scales.stride(0), out.stride(0),
                             K_STEPS=k // bk, STEPS_PER_GROUP=group_size // bk, HAS_BIAS=bias is not None,
-                            ASYM=asym, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
-                            num_stages=stages)
+                            ASYM=asym, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                            PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_sum_kernel[(m, triton.cdiv(n, block))](part, bias_arg, out, m, n, out.stride(0), SPLIT_K=split,
