@@ -105,3 +105,12 @@ def test_tiles_recomputed_when_query_start_changes_in_place():
     check(tuple(args))
     args[5][1:3] = torch.tensor([1, 2], dtype=torch.int32)  # now one query each
     check(tuple(args))
+
+
+def test_the_engine_runs_its_gpu_kernels_only_on_cuda_in_the_dtypes_they_take():
+    """float64 models on a GPU (the parity tests' reference precision) take torch's attention: the kernels sum in
+    float32 and do not compile for float64."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert attention_gpu.runs_on(cuda, dtype) and not attention_gpu.runs_on(cpu, dtype)
+    assert not attention_gpu.runs_on(cuda, torch.float64)

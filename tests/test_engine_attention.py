@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fourfold.infer.kv_pool import KVPool
-from fourfold.infer.paged_attention import CpuAttentionPlan, PagedStep, paged_attention_reference
+from fourfold.infer.paged_attention import TorchAttentionPlan, PagedStep, paged_attention_reference
 from fourfold.infer.step_tensors import StepTensors
 
 HQ, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 16
@@ -60,7 +60,7 @@ def test_cpu_plan_equals_reference(lengths, new):
     q, kc, vc, tables, lens, starts, _ = scattered_sequences(lengths, new)
     st = StepTensors(torch.zeros(len(q), dtype=torch.long), torch.zeros(len(q), dtype=torch.long),
                      torch.zeros(len(q), dtype=torch.long), tables, lens, starts, torch.zeros(0, dtype=torch.long))
-    plan = CpuAttentionPlan(st, BS)
+    plan = TorchAttentionPlan(st, BS)
     got = plan.attend(q, kc.view(-1, HKV, D), vc.view(-1, HKV, D), D ** -0.5)
     want = paged_attention_reference(q, kc, vc, tables, lens, starts, D ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -46,6 +46,17 @@ def available() -> bool:
     return triton is not None
 
 
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""What the engine's Triton kernels compute in (float32 sums); a float64 model runs torch's attention instead."""
+
+
+def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the engine's GPU kernels (this attention, the fused decoder, CUDA graphs) serve a model of `dtype`
+    on `device`: CUDA, Triton, and a dtype of KERNEL_DTYPES. Otherwise the model's own forward with torch's
+    attention runs (float64 on a GPU: a reference, not a fast path)."""
+    return available() and device.type == "cuda" and dtype in KERNEL_DTYPES
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

@@ -32,7 +32,7 @@ from fourfold.infer.cuda_graphs import DecodeGraphs
 from fourfold.infer.fused_decoder import FusedDecoder
 from fourfold.infer.fused_ops import rotary_kv_write
 from fourfold.infer.kv_pool import KVPool
-from fourfold.infer.paged_attention import CpuAttentionPlan, PagedStep
+from fourfold.infer.paged_attention import PagedStep, TorchAttentionPlan
 from fourfold.infer.prefill_graphs import PrefillGraphs
 from fourfold.infer.scheduler import ScheduledChunk
 from fourfold.infer.step_tensors import StepTensors, host_step
@@ -58,8 +58,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.cpu_decoder = CpuDecoder.from_model(model) if fuse is None and device.type == "cpu" else None
+        self.gpu_kernels = attention_gpu.runs_on(device, pool.keys.dtype)
         if fuse is None:
-            fuse = device.type == "cuda" and attention_gpu.available()
+            fuse = self.gpu_kernels
         self.fused = FusedDecoder.from_model(model) if fuse else None
         self._pinned: dict[torch.dtype, list] = {}  # per dtype a ring of (pinned buffer, event after its copy)
         self._upload_turn: dict[torch.dtype, int] = {}
@@ -71,7 +72,7 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """On CUDA with the Triton kernel: capture decode steps of up to `max_batch` sequences (padded sizes)."""
-        if self.device.type != "cuda" or not attention_gpu.available():
+        if not self.gpu_kernels:
             return
         self.graphs = DecodeGraphs(max_batch=max_batch, **self._graph_settings(max_model_len))
         self.graphs.capture()
@@ -174,8 +175,8 @@ class ModelRunner:
         return full_logits(self.model(st.tokens[None], st.positions[None], cache=step, logits_for=st.logits_for))
 
     def _attend_fn(self, st: StepTensors):
-        """attend(layer, q, k_cache, v_cache) for the fused decoder: the Triton kernel on CUDA, else the CPU plan."""
-        if st.tokens.is_cuda and attention_gpu.available():
+        """attend(layer, q, k_cache, v_cache) for the fused decoder: the Triton kernel where it runs, else the torch plan."""
+        if self.gpu_kernels:
             def attend(layer_idx, q, k_cache, v_cache):
                 return attention_gpu.paged_attention(q, k_cache, v_cache, st.block_tables, st.seq_lens,
                                                      st.query_start, q.shape[-1] ** -0.5)
@@ -183,7 +184,7 @@ class ModelRunner:
             if tokens == st.seq_lens.shape[0] and tokens <= decode_attention_gpu.MAX_TOKENS:
                 attend.with_rotary = self._decode_attend_fn(st, attend)
             return attend
-        plan = CpuAttentionPlan(st, self.pool.block_size)
+        plan = TorchAttentionPlan(st, self.pool.block_size)
 
         def attend_cpu(layer_idx, q, k_cache, v_cache):
             d = q.shape[-1]

@@ -12,8 +12,8 @@ Grouped-query aware: each kv head serves its group of query heads, K and V are n
 `paged_attention_reference` is the plain PyTorch definition (one SDPA per sequence) that tests hold
 the kernels to. `PagedStep` is the model's attention-cache object (fourfold.models.attention) for one
 engine step: it writes each layer's new keys and values into the pool at the step's slot mapping with
-an index op and runs the GPU kernel (fourfold.infer.attention_gpu, on CUDA when it is installed) or,
-on CPU, `CpuAttentionPlan`: the reference's work with the index tensors and masks built once per
+an index op and runs the GPU kernel (fourfold.infer.attention_gpu, on CUDA when it is installed, for the
+dtypes it takes: attention_gpu.runs_on) or else (CPU, or float64 on a GPU) `TorchAttentionPlan`: the reference's work with the index tensors and masks built once per
 step instead of once per layer, and all decoding sequences in one batched SDPA.
 """
 
@@ -54,8 +54,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
-class CpuAttentionPlan:
-    """Index tensors and masks for one step's attention, shared by every layer (CPU path).
+class TorchAttentionPlan:
+    """Index tensors and masks for one step's attention, shared by every layer (torch's SDPA: the CPU path, and a
+    float64 model on a GPU), made on the step tensors' device.
 
     Sequences with one query (decodes) run together: their keys gathered to (S_dec, hkv, L_max, d) with a
     length mask. Each sequence with several queries (a prefill chunk) runs alone with a causal mask.
@@ -64,22 +65,24 @@ class CpuAttentionPlan:
     def __init__(self, st: StepTensors, block_size: int):
         starts, lens = st.query_start.tolist(), st.seq_lens.tolist()
         decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-        self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long)
+        dev = st.block_tables.device
+        self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=dev)
         self.all_decode = len(decode) == len(lens) == starts[-1]  # q rows are the decode rows, in order
         if decode:
             longest = max(lens[i] for i in decode)
-            pos = torch.arange(longest)
-            rows = torch.tensor(decode) if len(decode) < len(lens) else slice(None)
+            pos = torch.arange(longest, device=dev)
+            rows = torch.tensor(decode, device=dev) if len(decode) < len(lens) else slice(None)
             blocks = st.block_tables[rows][:, pos // block_size].long()  # the longest fits the table's width
             self.decode_slots = blocks * block_size + pos % block_size  # (S_dec, L_max)
-            self.decode_mask = (pos[None, :] < torch.tensor([lens[i] for i in decode])[:, None])[:, None, None]
+            decode_lens = torch.tensor([lens[i] for i in decode], device=dev)
+            self.decode_mask = (pos[None, :] < decode_lens[:, None])[:, None, None]
         self.prefills = []
         for i in range(len(lens)):
             a, b = starts[i], starts[i + 1]
             if b - a > 1:
                 slots = _sequence_slots(st.block_tables[i], lens[i], block_size)
-                q_pos = torch.arange(lens[i] - (b - a), lens[i])
-                mask = torch.arange(lens[i])[None, :] <= q_pos[:, None]
+                q_pos = torch.arange(lens[i] - (b - a), lens[i], device=dev)
+                mask = torch.arange(lens[i], device=dev)[None, :] <= q_pos[:, None]
                 self.prefills.append((a, b, slots, mask))
 
     def attend(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -109,9 +112,9 @@ class PagedStep:
     def __init__(self, pool: KVPool, st: StepTensors, use_gpu_kernel: bool | None = None):
         self.pool, self.st = pool, st
         if use_gpu_kernel is None:
-            use_gpu_kernel = attention_gpu.available() and st.tokens.is_cuda
+            use_gpu_kernel = attention_gpu.runs_on(st.tokens.device, pool.keys.dtype)
         self.kernel = attention_gpu.paged_attention if use_gpu_kernel else None
-        self.plan = None if self.kernel is not None else CpuAttentionPlan(st, pool.block_size)
+        self.plan = None if self.kernel is not None else TorchAttentionPlan(st, pool.block_size)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v (1, hkv, T, d) at the step's slots of layer `layer_idx`; attention (1, hq, T, d)."""
