@@ -175,7 +175,8 @@ class ModelRunner:
         return full_logits(self.model(st.tokens[None], st.positions[None], cache=step, logits_for=st.logits_for))
 
     def _attend_fn(self, st: StepTensors):
-        """attend(layer, q, k_cache, v_cache) for the fused decoder: the Triton kernel where it runs, else the torch plan."""
+        """attend(layer, q, k_cache, v_cache) for the fused decoder: the Triton kernel where it runs (gpu_kernels),
+        else the torch plan."""
         if self.gpu_kernels:
             def attend(layer_idx, q, k_cache, v_cache):
                 return attention_gpu.paged_attention(q, k_cache, v_cache, st.block_tables, st.seq_lens,
@@ -186,11 +187,11 @@ class ModelRunner:
             return attend
         plan = TorchAttentionPlan(st, self.pool.block_size)
 
-        def attend_cpu(layer_idx, q, k_cache, v_cache):
+        def attend_torch(layer_idx, q, k_cache, v_cache):
             d = q.shape[-1]
             return plan.attend(q, k_cache.view(-1, k_cache.shape[2], d), v_cache.view(-1, v_cache.shape[2], d),
                                d ** -0.5)
-        return attend_cpu
+        return attend_torch
 
     @staticmethod
     def _decode_attend_fn(st: StepTensors, attend):

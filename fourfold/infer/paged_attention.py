@@ -13,8 +13,9 @@ Grouped-query aware: each kv head serves its group of query heads, K and V are n
 the kernels to. `PagedStep` is the model's attention-cache object (fourfold.models.attention) for one
 engine step: it writes each layer's new keys and values into the pool at the step's slot mapping with
 an index op and runs the GPU kernel (fourfold.infer.attention_gpu, on CUDA when it is installed, for the
-dtypes it takes: attention_gpu.runs_on) or else (CPU, or float64 on a GPU) `TorchAttentionPlan`: the reference's work with the index tensors and masks built once per
-step instead of once per layer, and all decoding sequences in one batched SDPA.
+dtypes it takes: attention_gpu.runs_on) or else (CPU, or float64 on a GPU) `TorchAttentionPlan`: the
+reference's work with the index tensors and masks built once per step instead of once per layer, and all
+decoding sequences in one batched SDPA.
 """
 
 from __future__ import annotations
