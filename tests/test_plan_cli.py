@@ -64,3 +64,21 @@ def test_calibrate_measures_this_machine_and_later_predictions_use_it(tmp_path, 
     hw = load_hardware()
     assert hw.device("cpu").flops("fp32") != load_hardware(calibration=False).device("cpu").flops("fp32")
     assert hw.link(hw.device("cpu").intra_node).bandwidth > 0
+
+
+def test_gloo_calibration_keeps_rank_0s_figures_when_a_worker_dies_after_sending_them():
+    """A worker that aborts in gloo's shutdown, after rank 0 sent every figure, costs a warning, not the run; one
+    that dies before the figures were sent fails the calibration."""
+    import queue as queues
+
+    import pytest
+
+    from fourfold.plan.calibrate_gloo import _figures_despite
+
+    died = RuntimeError("process 1 terminated with signal SIGABRT")
+    sent = queues.Queue()
+    sent.put({"comm_factor": 1.5})
+    with pytest.warns(UserWarning, match="died while shutting down"):
+        assert _figures_despite(died, sent) == {"comm_factor": 1.5}
+    with pytest.raises(RuntimeError, match="SIGABRT"):
+        _figures_despite(died, queues.Queue())
