@@ -140,7 +140,7 @@ def gloo_figures(repeats: int) -> dict:
         try:
             procs.join()
         except mp.ProcessExitedException as died:  # after rank 0 reported: the figures are whole
-            warnings.warn(f"gloo calibration: a worker died while shutting down ({died}); its figures were in")
+            _warn_died_in_shutdown(died)
         return figures
     raise TimeoutError("the gloo calibration workers did not report within 600 s")
 
@@ -153,8 +153,12 @@ def _figures_despite(died: Exception, queue) -> dict:
         figures = queue.get(timeout=5)
     except queues.Empty:
         raise died from None
-    warnings.warn(f"gloo calibration: a worker died while shutting down ({died}); its figures were in")
+    _warn_died_in_shutdown(died)
     return figures
+
+
+def _warn_died_in_shutdown(died: Exception) -> None:
+    warnings.warn(f"gloo calibration: a worker died while shutting down ({died}); its figures were in")
 
 
 def gloo_table(quick: bool = False) -> dict:
