@@ -1,17 +1,19 @@
 """GPU check and timing of the Triton int4 GEMM (fourfold.quant.int4_gemm) against torch's int4 mm and cuBLAS bf16.
 
-    python bench/int4_gemm_check.py --out DIR [--sweep] [--budget-s 150]
+    python bench/int4_gemm_check.py --out DIR [--sweep all|w-left|w-right] [--budget-s 150]
 
 Shapes: the `llama-1b` matmuls (q|k|v 2560x2048, o 2048x2048, gate|up 11264x2048, down 2048x5632, head
-32000x2048), plain (no SiLU*mul). 1. Timing at 1, 4, 8, 16, 64, 256 rows: cuBLAS F.linear (bf16 weights) vs
-torch `_weight_int4pack_mm` (tinygemm) vs int4_gemm's fused kernel ("fused") and its dequantize + cuBLAS path
-("dequant"), each a CUDA graph of R launches over R weight copies (gemv_check.graph_us: more bytes than L2
-holds), median per launch in us; prints the cuBLAS / best and tinygemm / best ratios and the suggested
-int4_gemm.DEQUANT_ROWS. 2. Parity against a float32 matmul of the dequantized weights on fresh random inputs,
-||y - ref|| / ||ref|| (bf16 output: < 1e-2), for both methods and for Int4WeightLinear's own forward (torch's
-mm or int4_gemm by rows: int4_gemm.TINYGEMM_ROWS), schemes int4-g128, int4-g128-asym, int4-g32, 8da4w-g128,
-at 3, 16, 300 rows. 3. `--sweep`: the fused kernel's tile and split-K configs at 64, 16, 256 rows per block
-shape, fastest first (until --budget-s). Writes int4_gemm_check.json. Exit code 1 if a check fails.
+32000x2048), plain (no SiLU*mul). 1. Timing at 1-2048 rows (ROWS): cuBLAS F.linear (bf16 weights) vs torch
+`_weight_int4pack_mm` (tinygemm, up to 64 rows) vs int4_gemm's fused kernel ("fused", its default config by
+rows) and its dequantize + cuBLAS path ("dequant"), each a CUDA graph of R launches over R weight copies
+(gemv_check.graph_us: more bytes than L2 holds), median per launch in us; prints the cuBLAS / best and
+tinygemm / best ratios and the suggested int4_gemm.DEQUANT_ROWS. 2. Parity against a float32 matmul of the
+dequantized weights on fresh random inputs, ||y - ref|| / ||ref|| (bf16 output: < 1e-2), for both methods and
+for Int4WeightLinear's own forward (torch's mm or int4_gemm by rows: int4_gemm.TINYGEMM_ROWS), schemes
+int4-g128, int4-g128-asym, int4-g32, 8da4w-g128, at 3, 16, 300 rows. 3. `--sweep`: the fused kernel's tile and
+split-K configs (SWEEP; W_LEFT_SWEEP with the weight as the dot's left operand) at SWEEP_ROWS per block shape,
+fastest first (until --budget-s), each checked against the dequantize path first. Writes
+int4_gemm_check.json. Exit code 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from fourfold.quant.packing import Int4WeightLinear, int4_kernel_weight, scales_
 from fourfold.quant.schemes import scheme_by_name  # noqa: E402
 
 SCHEMES = ["int4-g128", "int4-g128-asym", "int4-g32", "8da4w-g128"]
-ROWS = (1, 4, 8, 16, 64, 256)
+ROWS = (1, 4, 8, 16, 64, 128, 256, 512, 2048)
+TINYGEMM_MAX_ROWS = 64
+"""torch's tiled kernel is timed up to this many rows only (at 256 it is 8-12x slower than the others)."""
 METHODS = ("fused", "dequant")
 TOL = 1e-2
 DEV = torch.device("cuda")
@@ -45,6 +49,13 @@ SWEEP = [base + (split,) for split in (1, 2, 4, 8) for base in [
     (64, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3)]]
 """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) configs of the sweep; those with BLOCK_M above
 the row count (rounded up to 16) are skipped."""
+W_LEFT_SWEEP = ([(bm, bn, 128, 4, stages, split, 1) for bm in (16, 32, 64) for bn in (64, 128) for stages in (3, 4)
+                 for split in (1, 2, 4)]
+                + [(bm, bn, 128, 8, stages, 1, 1) for bm in (64, 128) for bn in (128, 256) for stages in (3, 4)]
+                + [(128, 128, 128, 4, 3, 1, 1), (256, 128, 128, 8, 3, 1, 1), (128, 128, 64, 8, 4, 1, 1),
+                   (256, 128, 64, 8, 4, 1, 1), (256, 128, 128, 8, 4, 1, 1)])
+"""The same with the weight tile as the dot's left operand (W_LEFT): split-K only for tiles of up to 64 rows."""
+SWEEP_ROWS = (16, 64, 128, 256, 512, 2048)
 
 
 def check_parity(results: list, m_list=(3, 16, 300)) -> int:
@@ -88,7 +99,7 @@ def time_cases(results: list) -> None:
             row = {"shape": name, "n": n, "k": k, "rows": m, "config": int4_gemm._config(m, n, k, 128),
                    "cublas_us": graph_us([lambda w=w: F.linear(x, w) for w in ws]),
                    "int4mm_us": graph_us([lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], 128, t[1])
-                                          for t in tiled])}
+                                          for t in tiled]) if m <= TINYGEMM_MAX_ROWS else float("nan")}
             for method in METHODS:
                 row[f"{method}_us"] = graph_us([lambda t=t: int4_gemm.int4_gemm(x, t[0], t[1], t[2], 128, asym=False,
                                                                                 method=method) for t in i4])
@@ -115,24 +126,36 @@ def choose(timing: list) -> dict:
     return {"dequant_rows_suggested": dequant_rows, "dequant_rows": int4_gemm.DEQUANT_ROWS}
 
 
-def sweep(results: list, deadline: float) -> None:
-    for m in (64, 16, 256):
+def sweep(results: list, deadline: float, configs: list) -> None:
+    """Each config at SWEEP_ROWS on the block shapes, fastest first; a config whose output differs from the
+    dequantize + cuBLAS path by more than TOL is recorded as failed and not ranked."""
+    for m in SWEEP_ROWS:
         for name, (n, k) in SHAPES.items():
             if name == "head":  # bf16 unless converted with --output; the block linears first
                 continue
             i4, _ = int4_weights(n, k)
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            found = []
-            for cfg in [c for c in SWEEP if c[0] <= max(16, triton.next_power_of_2(m))]:
+            ref = int4_gemm.int4_gemm(x, i4[0][0], i4[0][1], i4[0][2], 128, asym=False, method="dequant")
+            found, failed = [], []
+            for cfg in [c for c in configs if c[0] <= max(16, triton.next_power_of_2(m))]:
                 if time.time() > deadline:
                     break
+                try:
+                    y = int4_gemm.int4_gemm(x, i4[0][0], i4[0][1], i4[0][2], 128, asym=False, config=cfg,
+                                            method="fused")
+                except triton.runtime.errors.OutOfResources:   # e.g. more shared memory than an SM has
+                    continue
+                if not rel_err(y, ref) < TOL:
+                    failed.append(cfg)
+                    continue
                 us = graph_us([lambda t=t: int4_gemm.int4_gemm(x, t[0], t[1], t[2], 128, asym=False, config=cfg,
                                                                    method="fused") for t in i4])
                 found.append((us, cfg))
             found.sort()
-            results.append({"sweep": "int4_gemm", "shape": name, "rows": m, "best": found[:5],
+            results.append({"sweep": "int4_gemm", "shape": name, "rows": m, "best": found[:5], "failed": failed,
                             "default": int4_gemm._config(m, n, k, 128)})
-            print(f"sweep x{m:<3d} {name:8s}: " + ", ".join(f"{c} {u:.2f}us" for u, c in found[:4]))
+            print(f"sweep x{m:<4d} {name:8s}: " + ", ".join(f"{c} {u:.2f}us" for u, c in found[:4])
+                  + (f"; FAILED {failed}" if failed else ""))
             del i4
             torch.cuda.empty_cache()
 
@@ -140,7 +163,9 @@ def sweep(results: list, deadline: float) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/int4-gemm-check")
-    p.add_argument("--sweep", action="store_true", help="sweep the kernel's tile configs at 16/64/256 rows")
+    p.add_argument("--sweep", choices=["all", "w-left", "w-right"], default=None,
+                   help="sweep the fused kernel's tile configs at SWEEP_ROWS (w-left: the weight tile as the dot's "
+                        "left operand only; w-right: the original form only)")
     p.add_argument("--budget-s", type=float, default=150, help="stop the sweep after this many seconds in all")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -163,7 +188,8 @@ def main() -> int:
             "torch": torch.__version__, "device": torch.cuda.get_device_name(DEV), "parity": parity,
             "timing": timing, "choice": choice, "sweep": sweeps}, indent=1))
         if a.sweep and not last:
-            sweep(sweeps, start + a.budget_s)
+            configs = {"all": W_LEFT_SWEEP + SWEEP, "w-left": W_LEFT_SWEEP, "w-right": SWEEP}[a.sweep]
+            sweep(sweeps, start + a.budget_s, configs)
     print(f"wrote {out / 'int4_gemm_check.json'} in {time.time() - start:.0f}s")
     return 1 if failed else 0
 

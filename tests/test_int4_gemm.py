@@ -40,8 +40,11 @@ def _weights(n: int, k: int, group: int, symmetric: bool, seed: int):
     (37, 24, 96, 32, (16, 16, 32, 4, 2), False, True),     # M not a multiple of BLOCK_M (3 M tiles), 3 groups
     (20, 48, 256, 128, (16, 32, 64, 4, 1), False, False),  # 2 k-steps per group, N tile half masked
     (3, 16, 64, 32, None, True, True),                     # the default config choice
+    (70, 48, 256, 128, None, False, True),                 # ... at 65-128 rows: W_LEFT, 64 x 64 tiles, split-K
     (20, 48, 256, 128, (16, 32, 64, 4, 1, 2), False, True),  # split-K: 2 splits of 2 k-steps, bias in the sum
     (5, 40, 96, 32, (16, 16, 32, 4, 1, 4), True, False),   # split 4 asked over 3 k-steps: 3 splits of one
+    (37, 40, 96, 32, (16, 32, 32, 4, 1, 1, 1), False, True),  # the weight tile as the dot's left operand
+    (20, 48, 256, 128, (32, 16, 64, 4, 1, 2, 1), True, False),  # ... with split-K, N masked, M tile half empty
 ])
 def test_int4_gemm_matches_dequantized_float64(rows, n, k, group, config, symmetric, bias, method):
     packed, scales, zeros, w = _weights(n, k, group, symmetric, seed=rows + n + k)
@@ -113,3 +116,36 @@ def test_float32_dots_follow_torch_float32_matmul_precision():
         assert int4_gemm.dot_precision(torch.float32) == "tf32"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def _bf16_case(symmetric: bool):
+    """Packed weights with bf16 scales, and their weights ((q - z) * s in float32) rounded to bf16."""
+    packed, scales, zeros, _ = _weights(48, 256, 64, symmetric, seed=11)
+    scales = scales.to(torch.bfloat16)
+    q = torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(48, 256).to(torch.int32) - 8
+    z = zeros.to(torch.int32).repeat_interleave(64, 1) if not symmetric else 0
+    want = ((q - z).float() * scales.float().repeat_interleave(64, 1)).to(torch.bfloat16)
+    return [t.to(DEVICE) for t in (packed, scales, zeros)], want
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_bf16_scales_dequantize_to_the_bits_of_the_float32_formula(symmetric):
+    """On a GPU this checks the conversion-free path (a nibble OR-ed into bf16 128's bits) bit for bit; the
+    interpreter runs the float32 one."""
+    dev, want = _bf16_case(symmetric)
+    w = int4_gemm.dequantize_int4(*dev, 64, torch.bfloat16, asym=not symmetric)
+    if DEVICE == "cuda":
+        assert torch.equal(w.cpu(), want)
+    else:   # the interpreter truncates float32 to bf16 instead of rounding: one bf16 step apart at most
+        torch.testing.assert_close(w.float(), want.float(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter's dots of bf16 tiles are wrong (float32 ones are right)")
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("config", [(16, 16, 64, 4, 1), (32, 16, 64, 4, 1, 2, 1), (64, 64, 64, 4, 3, 1, 1)])
+def test_bf16_fused_gemm_uses_the_same_weights(symmetric, config):
+    dev, want = _bf16_case(symmetric)
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    y = int4_gemm.int4_gemm(x.to(DEVICE), *dev, 64, asym=not symmetric, config=config)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double().cpu(), x.double() @ want.double().T, rtol=1e-2, atol=1e-2)

@@ -8,7 +8,10 @@ points [N, K/G]; the weight is (u - 8 - z) * s. One program owns a BLOCK_M x BLO
 in BLOCK_K steps; BLOCK_K divides the group size, so each step needs one scale (and zero point) per output
 row. A step loads the (BLOCK_N, BLOCK_K/2) packed bytes, dequantizes high and low nibbles to x's dtype,
 interleaves them back into k order (tl.join + reshape: (BLOCK_N, BLOCK_K)) and does one `tl.dot` with the
-(BLOCK_M, BLOCK_K) tile of x into a float32 accumulator. K needs no edge mask (a multiple of the group size,
+(BLOCK_M, BLOCK_K) tile of x into a float32 accumulator (at 65-128 rows the dot is turned around, W x.T, so
+the dequantized tile is the operand Hopper's wgmma takes from registers: W_LEFT in _config). bf16 scales and
+activations dequantize without conversions (_dequant_tile: the nibble's bits OR-ed into bf16 128.0's, same
+results bit for bit). K needs no edge mask (a multiple of the group size,
 hence of BLOCK_K); M and N do. With SPLIT_K > 1 the K steps are shared by SPLIT_K programs per tile, each
 storing float32 partial sums that a second small kernel adds up (with the bias) into the output: a 2048-row
 matrix gives only 64 tiles of 32 columns, too few for 132 SMs walking K one step at a time. The grid depends
@@ -24,6 +27,8 @@ loads) was 2-10x slower than the one-dot form and was dropped.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -34,31 +39,57 @@ TINYGEMM_ROWS = 6
 use int4_gemm. H200, one llama-1b block (q|k|v + o + gate|up + down), with split-K: tinygemm 29.5 us vs 36.5
 at 4 rows, 40.3 vs 36.6 at 8, 63.1 vs 37.4 at 16 (bench/results/2026-11-24-h200-int4gemm-splitk/); 5-7 rows
 were not timed, 6 is the crossover by interpolation."""
-DEQUANT_ROWS = 64
-"""Above this many rows int4_gemm dequantizes the whole weight and calls cuBLAS (H200, the five llama-1b shapes
-summed: fused 115 vs 161 us at 64 rows, 252 vs 181 us at 256 rows)."""
+DEQUANT_ROWS = 128
+"""Above this many rows int4_gemm dequantizes the whole weight and calls cuBLAS (H200, llama-1b's four block
+shapes summed, bench/results/2026-11-24-h200-int4gemm-wleft/: at 128 rows the fused kernel with the weight as
+the dot's left operand 69.7 against 75.2 us, cuBLAS on bf16 weights 42.8; at 256 rows 82.1 either way, at 2048
+the dequantize path wins, 298 against 390+)."""
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _dequant_tile(p, s, z, ASYM: tl.constexpr, out_ty: tl.constexpr):
-        """Packed bytes p (int32, (rows, bytes)) to weights (u - 8 - z) * s in out_ty: the (high, low) nibble tiles."""
+    def _dequant_tile(p, s, z, ASYM: tl.constexpr, out_ty: tl.constexpr, BF16_BITS: tl.constexpr):
+        """Packed bytes p (int32, (rows, bytes)) to weights (u - 8 - z) * s in out_ty: the (high, low) nibble tiles.
+
+        bf16 scales into bf16 weights skip both conversions: a nibble OR-ed into 0x4300 is the bf16 128 + u, minus
+        136 + z is u - 8 - z exactly (integers below 256), and one bf16 multiply rounds the exact product once, as
+        the float32 path's product rounded to bf16 does, so both give the same bits. BF16_BITS is off under
+        TRITON_INTERPRET (its bitcast to bf16 keeps the raw integers, which later arithmetic then treats as numbers)."""
+        if BF16_BITS and out_ty == tl.bfloat16 and s.dtype == tl.bfloat16:
+            off = ((z if ASYM else tl.zeros([1, 1], tl.int32)) + 136).to(tl.bfloat16)
+            hi = (((p >> 4) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            lo = ((p & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            return (hi - off) * s, (lo - off) * s
         hi = (p >> 4) - 8
         lo = (p & 0xF) - 8
         if ASYM:
             hi -= z
             lo -= z
-        w_hi = (hi.to(tl.float32) * s).to(out_ty)
-        w_lo = (lo.to(tl.float32) * s).to(out_ty)
+        w_hi = (hi.to(tl.float32) * s.to(tl.float32)).to(out_ty)
+        w_lo = (lo.to(tl.float32) * s.to(tl.float32)).to(out_ty)
         return w_hi, w_lo
+
+    @triton.jit
+    def _stored_tile(p_ptr, s_ptr, z_ptr, rn64, n_ok, step, stride_pn, stride_sn, STEPS_PER_GROUP: tl.constexpr,
+                     ASYM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, out_ty: tl.constexpr,
+                     BF16_BITS: tl.constexpr):
+        """The (BLOCK_N, BLOCK_K) weights of K step `step` from the stored layout (rows rn64, masked by n_ok)."""
+        group = step // STEPS_PER_GROUP
+        s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0)[:, None]
+        z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32)[:, None] if ASYM else 0
+        byte = step * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        p = tl.load(p_ptr + rn64[:, None] * stride_pn + byte[None, :], mask=n_ok[:, None], other=0x88)
+        w_hi, w_lo = _dequant_tile(p.to(tl.int32), s, z, ASYM, out_ty, BF16_BITS)
+        return tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))      # byte j -> k = 2j (high), 2j + 1 (low)
 
     @triton.jit
     def _int4_gemm_kernel(x_ptr, p_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
                           stride_xm, stride_pn, stride_sn, stride_om,
                           K_STEPS: tl.constexpr, STEPS_PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                           ASYM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
+                          SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, W_LEFT: tl.constexpr,
+                          BF16_BITS: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)   # m fastest: programs sharing a weight tile run together
         STEPS_PER_SPLIT: tl.constexpr = K_STEPS // SPLIT_K   # split-K (SPLIT_K divides K_STEPS): this program's
         first_step = tl.program_id(2) * STEPS_PER_SPLIT      # share of the K steps
@@ -66,21 +97,23 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < M, rn < N
         rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
-        j = tl.arange(0, BLOCK_K // 2)
         kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rm64[:, None] * stride_xm
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if W_LEFT:   # out.T = W x.T: the dequantized tile is the dot's register operand (Hopper's wgmma takes it
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)   # there; as the right one it goes through shared
+        else:        # memory every step)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for i in range(STEPS_PER_SPLIT):
             step = first_step + i
-            group = step // STEPS_PER_GROUP
-            s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32)[:, None] if ASYM else 0
-            byte = step * (BLOCK_K // 2) + j
-            p = tl.load(p_ptr + rn64[:, None] * stride_pn + byte[None, :], mask=n_ok[:, None], other=0x88)
-            w_hi, w_lo = _dequant_tile(p.to(tl.int32), s, z, ASYM, x_ptr.dtype.element_ty)
-            w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))      # byte j -> k = 2j (high), 2j + 1 (low)
+            w = _stored_tile(p_ptr, s_ptr, z_ptr, rn64, n_ok, step, stride_pn, stride_sn, STEPS_PER_GROUP, ASYM,
+                             BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty, BF16_BITS)
             xv = tl.load(x_rows + step * BLOCK_K + kk[None, :], mask=m_ok[:, None], other=0.0)
-            acc = tl.dot(xv, tl.trans(w), acc, input_precision=PRECISION)   # PRECISION: float32 x only
+            if W_LEFT:
+                acc = tl.dot(w, tl.trans(xv), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(xv, tl.trans(w), acc, input_precision=PRECISION)   # PRECISION: float32 x only
+        if W_LEFT:
+            acc = tl.trans(acc)
         if SPLIT_K > 1:  # float32 partial sums, (SPLIT_K, M, N); _split_sum_kernel adds them up
             part = part_ptr + tl.program_id(2).to(tl.int64) * M * N + rm64[:, None] * N + rn64[None, :]
             tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -106,19 +139,14 @@ if triton is not None:
 
     @triton.jit
     def _dequant_kernel(p_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_pn, stride_sn, G: tl.constexpr,
-                        ASYM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        ASYM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16_BITS: tl.constexpr):
         """w (N, K) in w's dtype = (u - 8 - z) * s, one (BLOCK_N, BLOCK_K) tile per program (BLOCK_K divides G)."""
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         step = tl.program_id(1)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         rn64 = rn.to(tl.int64)
-        byte = step * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        group = (step * BLOCK_K) // G
-        s = tl.load(s_ptr + rn64 * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(z_ptr + rn64 * stride_sn + group, mask=n_ok, other=0).to(tl.int32)[:, None] if ASYM else 0
-        p = tl.load(p_ptr + rn64[:, None] * stride_pn + byte[None, :], mask=n_ok[:, None], other=0x88)
-        w_hi, w_lo = _dequant_tile(p.to(tl.int32), s, z, ASYM, w_ptr.dtype.element_ty)
-        w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, BLOCK_K))
+        w = _stored_tile(p_ptr, s_ptr, z_ptr, rn64, n_ok, step, stride_pn, stride_sn, G // BLOCK_K, ASYM,
+                         BLOCK_N, BLOCK_K, w_ptr.dtype.element_ty, BF16_BITS)
         kk = step * BLOCK_K + tl.arange(0, BLOCK_K)
         tl.store(w_ptr + rn64[:, None] * K + kk[None, :], w, mask=n_ok[:, None])
 
@@ -128,25 +156,33 @@ def available() -> bool:
     return triton is not None
 
 
-def _config(m: int, n: int, k: int, group_size: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) by row count, from bench/int4_gemm_check.py's
-    sweep on an H200 (llama-1b at 64 rows: q|k|v 9.3 us, o 8.0, gate|up 19.4, down 13.7; at 16: 6.9, 6.2, 13.5,
-    10.4; without split-K 11.7, 11.5, 22.0, 29.4 at 64). Up to 64 rows: 32-column tiles, and K split until the
-    grid has about 400 programs (the 2048-row matrices alone give 64), at most 8 ways. Above 64 rows (the
-    fused kernel only when asked: DEQUANT_ROWS): 128 x 128 tiles, BLOCK_N shrinking until about one program
-    per SM."""
+def _k_split(tiles: int, k_steps: int) -> int:
+    """SPLIT_K: double it (up to 8) while the grid stays under about 400 programs and it divides the K steps."""
+    split = 1
+    while split < 8 and tiles * split * 2 <= 400 and k_steps % (split * 2) == 0:
+        split *= 2
+    return split
+
+
+def _config(m: int, n: int, k: int, group_size: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K, W_LEFT) by row count, from
+    bench/int4_gemm_check.py's sweeps on an H200. Up to 64 rows (llama-1b at 64 rows: q|k|v 9.3 us, o 8.0, gate|up
+    19.4, down 13.7; at 16: 6.9, 6.2, 13.5, 10.4; without split-K 11.7, 11.5, 22.0, 29.4 at 64): 32-column tiles,
+    and K split until the grid has about 400 programs (the 2048-row matrices alone give 64). 65-128 rows: 64 x 64
+    tiles with the weight as the dot's left operand, which Hopper's wgmma reads from registers (as the right one
+    it is written to shared memory every step), K split the same way (at 128 rows q|k|v 12.0, o 9.9, gate|up
+    26.8, down 17.9 us). Above (the fused kernel only when asked: DEQUANT_ROWS): 128 x 128 tiles, BLOCK_N
+    shrinking until about one program per SM."""
     bk = min(128, group_size)
     if m <= 64:
         bm, bn = (16 if m <= 16 else 64), (32 if n <= 16384 else 64)   # 64 for a vocabulary-sized head
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        split = 1
-        while split < 8 and tiles * split * 2 <= 400 and (k // bk) % (split * 2) == 0:
-            split *= 2
-        return bm, bn, bk, 4, 3, split
+        return bm, bn, bk, 4, 3, _k_split(triton.cdiv(m, bm) * triton.cdiv(n, bn), k // bk), 0
+    if m <= 128:
+        return 64, 64, bk, 4, 3, _k_split(triton.cdiv(m, 64) * triton.cdiv(n, 64), k // bk), 1
     bm, bn = 128, 128
     while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < 132:
         bn //= 2
-    return bm, bn, bk, 8, 3, 1
+    return bm, bn, bk, 8, 3, 1, 0
 
 
 def dequantize_int4(weight_int4: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, group_size: int,
@@ -156,8 +192,14 @@ def dequantize_int4(weight_int4: torch.Tensor, scales: torch.Tensor, zero_points
     bn, bk = 64, min(128, group_size)
     w = torch.empty(n, k, device=weight_int4.device, dtype=dtype)
     _dequant_kernel[(triton.cdiv(n, bn), k // bk)](weight_int4, scales, zero_points, w, n, k, weight_int4.stride(0),
-                                                   scales.stride(0), G=group_size, ASYM=asym, BLOCK_N=bn, BLOCK_K=bk)
+                                                   scales.stride(0), G=group_size, ASYM=asym, BLOCK_N=bn, BLOCK_K=bk,
+                                                   BF16_BITS=_bf16_bits(weight_int4))
     return w
+
+
+def _bf16_bits(t: torch.Tensor) -> bool:
+    """Whether _dequant_tile may build bf16 weights from bits (on a GPU; not under TRITON_INTERPRET)."""
+    return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -170,7 +212,8 @@ def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
               group_size: int, bias: torch.Tensor | None = None, asym: bool = True,
               config: tuple[int, ...] | None = None, method: str | None = None) -> torch.Tensor:
     """x (.., K) @ dequant(W).T + bias in x's dtype. `asym=False` skips the zero points (symmetric schemes);
-    `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]) overrides the choice by row count;
+    `config` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K[, W_LEFT]]) overrides the choice by
+    row count (W_LEFT 1: the weight tile is the dot's left operand);
     `method`: "fused" (the GEMM kernel) or "dequant" (whole weight, then cuBLAS); default by rows (DEQUANT_ROWS)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -184,6 +227,7 @@ def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
         return F.linear(x2, w, None if bias is None else bias.to(x.dtype)).reshape(*x.shape[:-1], n)
     bm, bn, bk, warps, stages, *rest = config or _config(m, n, k, group_size)
     split = max(d for d in range(1, (rest[0] if rest else 1) + 1) if (k // bk) % d == 0)  # divides the K steps
+    w_left = bool(rest[1]) if len(rest) > 1 else False
     assert group_size % bk == 0 and bk % 32 == 0, f"BLOCK_K {bk} must divide the group size {group_size}"
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
@@ -193,7 +237,8 @@ def int4_gemm(x: torch.Tensor, weight_int4: torch.Tensor, scales: torch.Tensor, 
                             x2.stride(0), weight_int4.stride(0), scales.stride(0), out.stride(0),
                             K_STEPS=k // bk, STEPS_PER_GROUP=group_size // bk, HAS_BIAS=bias is not None,
                             ASYM=asym, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                            PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
+                            PRECISION=dot_precision(x.dtype), W_LEFT=w_left, BF16_BITS=_bf16_bits(x),
+                            num_warps=warps, num_stages=stages)
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_sum_kernel[(m, triton.cdiv(n, block))](part, bias_arg, out, m, n, out.stride(0), SPLIT_K=split,
