@@ -42,8 +42,8 @@ were not timed, 6 is the crossover by interpolation."""
 DEQUANT_ROWS = 128
 """Above this many rows int4_gemm dequantizes the whole weight and calls cuBLAS (H200, llama-1b's four block
 shapes summed, bench/results/2026-11-24-h200-int4gemm-wleft/: at 128 rows the fused kernel with the weight as
-the dot's left operand 69.7 against 75.2 us, cuBLAS on bf16 weights 42.8; at 256 rows 82.1 either way, at 2048
-the dequantize path wins, 298 against 390+)."""
+the dot's left operand 69.7 against 75.2 us, cuBLAS on bf16 weights 42.8; above, dequantizing wins: 82.1 against
+100.8 at 256 rows, 298 against 431 at 2048, with the best tile per shape)."""
 
 if triton is not None:
     import triton.language as tl

@@ -22,7 +22,7 @@ computed during QAT, up to the kernels' float rounding. Layouts (checked on torc
   x's dtype, CPU and CUDA; hence int8 schemes are symmetric.
 
 On CUDA, steps of more than int4_gemm.TINYGEMM_ROWS (6) token rows run fourfold.quant.int4_gemm on the
-stored nibbles (a Triton W4A16 GEMM; above 64 rows a Triton dequantize + cuBLAS): torch's tiled kernel wins
+stored nibbles (a Triton W4A16 GEMM; above 128 rows a Triton dequantize + cuBLAS): torch's tiled kernel wins
 at a few rows but is 8-12x slower at 256 rows on an H200. Steps of at most int4_gemv.MAX_ROWS token rows
 run fourfold.quant.int4_gemv's Triton GEMV instead, over a copy of the nibbles repacked once into its
 group-plane layout (`planes()`, cached like torch's tiled copy).
