@@ -55,7 +55,7 @@ if triton is not None:
         bf16 scales into bf16 weights skip both conversions: a nibble OR-ed into 0x4300 is the bf16 128 + u, minus
         136 + z is u - 8 - z exactly (integers below 256), and one bf16 multiply rounds the exact product once, as
         the float32 path's product rounded to bf16 does, so both give the same bits. BF16_BITS is off under
-        TRITON_INTERPRET (its bitcast to bf16 keeps the raw integers, which later arithmetic then treats as numbers)."""
+        TRITON_INTERPRET, where arithmetic on a bitcast bf16 tensor gave wrong numbers (triton 3.6)."""
         if BF16_BITS and out_ty == tl.bfloat16 and s.dtype == tl.bfloat16:
             off = ((z if ASYM else tl.zeros([1, 1], tl.int32)) + 136).to(tl.bfloat16)
             hi = (((p >> 4) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
