@@ -12,7 +12,7 @@ import torch
 
 from fourfold.quant import int4_gemm
 from fourfold.quant.fake_quant import fake_quantize_activation
-from fourfold.quant.packing import Int4WeightLinear, pack_int4
+from fourfold.quant.packing import Int4WeightLinear, pack_int4, unpack_int4
 from fourfold.quant.schemes import scheme_by_name
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,7 +122,7 @@ def _bf16_case(symmetric: bool):
     """Packed weights with bf16 scales, and their weights ((q - z) * s in float32) rounded to bf16."""
     packed, scales, zeros, _ = _weights(48, 256, 64, symmetric, seed=11)
     scales = scales.to(torch.bfloat16)
-    q = torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(48, 256).to(torch.int32) - 8
+    q = unpack_int4(packed).to(torch.int32) - 8
     z = zeros.to(torch.int32).repeat_interleave(64, 1) if not symmetric else 0
     want = ((q - z).float() * scales.float().repeat_interleave(64, 1)).to(torch.bfloat16)
     return [t.to(DEVICE) for t in (packed, scales, zeros)], want
