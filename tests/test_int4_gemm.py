@@ -149,3 +149,26 @@ def test_bf16_fused_gemm_uses_the_same_weights(symmetric, config):
     y = int4_gemm.int4_gemm(x.to(DEVICE), *dev, 64, asym=not symmetric, config=config)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double().cpu(), x.double() @ want.double().T, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("method", ["fused", "dequant"])
+@pytest.mark.parametrize("rows,n,k,group,config", [
+    (5, 48, 128, 64, (16, 16, 64, 4, 1)),              # 3 N tiles, 2 k-steps, one group each
+    (20, 48, 256, 128, (16, 32, 64, 4, 1, 2)),         # N tile half past the last 16-row block, split-K
+    (37, 32, 256, 128, (32, 32, 128, 4, 1, 1, 1)),     # W_LEFT, BLOCK_K of two 64-wide quads
+    (70, 64, 256, 64, None),                           # the default choice at 65-128 rows
+])
+def test_gemm_on_the_words_equals_the_stored_layout(rows, n, k, group, config, method):
+    """int4_gemm (and dequantize_int4) on fourfold.quant.int4_mma's words build the same weights as on the stored
+    nibbles (the GEMM as two half tiles, so its sums may be grouped differently on a GPU)."""
+    from fourfold.quant import int4_mma
+
+    packed, scales, zeros, _ = _weights(n, k, group, symmetric=False, seed=rows + k)
+    words = int4_mma.repack_mma(packed)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    dev = [t.to(DEVICE) for t in (x, packed, scales, zeros, words, torch.randn(n))]
+    want = int4_gemm.int4_gemm(*dev[:4], group, dev[5], config=config, method=method)
+    got = int4_gemm.int4_gemm(dev[0], dev[4], dev[2], dev[3], group, dev[5], config=config, method=method, words=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    w = int4_gemm.dequantize_int4(dev[4], dev[2], dev[3], group, torch.float32, words=True)
+    assert torch.equal(w, int4_gemm.dequantize_int4(*dev[1:4], group, torch.float32))

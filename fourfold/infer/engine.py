@@ -47,6 +47,7 @@ from fourfold.infer.requests import EngineStats, RequestOutput, SamplingParams
 from fourfold.infer.sampler import Sampler, plain_greedy
 from fourfold.infer.scheduler import Scheduler
 from fourfold.infer.sequence import Sequence
+from fourfold.quant import one_copy
 
 
 PLACEHOLDER = -1
@@ -122,6 +123,8 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         kv_heads = kv_heads or model.cfg.n_kv_heads
         max_len = min(cfg.max_model_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        if group is None and pipeline_ranks is None:   # int4 linears keep one run-time copy: the rest goes to the pool
+            one_copy.keep_one_copy(model, device)
         pool = pool_for(model, cfg, device, kv_heads, dtype, group)
         if pipeline_ranks is not None:
             runner = PipelineRunner(model, pool, device, pipeline_ranks)

@@ -73,19 +73,29 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _fuse_int4(linears: list[Int4WeightLinear]) -> Int4WeightLinear:
-    """One Int4WeightLinear for `linears` stacked by output rows; each then holds views of its buffers."""
+    """One Int4WeightLinear for `linears` stacked by output rows; each then holds views of its buffers. Parts that
+    hold int4_mma's words (fourfold.quant.one_copy) stack as words (16-row blocks) where the stacked weight still
+    fits the words' kernels, else every part goes back to the stored nibbles first."""
     first = linears[0]
-    names = ["weight_int4", "scales", "zero_points"] + (["bias"] if first.bias is not None else [])
-    stacked = {n: torch.cat([getattr(lin, n) for lin in linears], dim=0) for n in names}
-    fused = Int4WeightLinear(first.in_features, stacked["weight_int4"].shape[0], first.bias is not None, first.scheme)
-    row = 0
-    for lin in linears:
-        rows = lin.out_features
-        for n in names:
-            setattr(lin, n, stacked[n][row:row + rows])
-        row += rows
+    rows = sum(lin.out_features for lin in linears)
+    fused = Int4WeightLinear(first.in_features, rows, first.bias is not None, first.scheme)
+    names = ["scales", "zero_points"] + (["bias"] if first.bias is not None else []) + ["weight_int4"]
+    stacked = {}
     for n in names:
+        if n == "weight_int4" and any(lin.holds_words for lin in linears):
+            fused.weight_int4 = torch.empty(rows // 16, first.in_features // 64 * 128, dtype=torch.int32,
+                                            device=first.weight_int4.device)   # a probe for words_fit
+            if not (all(lin.holds_words for lin in linears) and fused.words_fit(first.weight_int4.device)):
+                for lin in linears:
+                    lin.to_stored()
+        stacked[n] = torch.cat([getattr(lin, n) for lin in linears], dim=0)
         setattr(fused, n, stacked[n])
+    for n in names:
+        row = 0
+        for lin in linears:
+            part_rows = getattr(lin, n).shape[0]            # out_features, or out_features / 16 for words
+            setattr(lin, n, stacked[n][row:row + part_rows])
+            row += part_rows
     return fused
 
 

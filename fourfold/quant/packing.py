@@ -106,6 +106,8 @@ class Int4WeightLinear(nn.Module):
         self._planes_cache: dict = {}
         self._mma_cache: dict = {}
         self._workspace_cache: dict = {}
+        self.register_state_dict_post_hook(_state_dict_stored_nibbles)
+        self.register_load_state_dict_pre_hook(_load_stored_nibbles)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, scheme: QuantScheme, name: str = "linear") -> "Int4WeightLinear":
@@ -119,10 +121,49 @@ class Int4WeightLinear(nn.Module):
             out.bias = linear.bias.detach().clone()
         return out.to(linear.weight.device)
 
+    @property
+    def holds_words(self) -> bool:
+        """Whether `weight_int4` holds fourfold.quant.int4_mma's fragment-order words (int32 [N/16, K/64 * 128],
+        after `to_words`) instead of the stored nibbles (uint8 [N, K/2]). state_dict writes the stored nibbles
+        and load_state_dict takes them either way."""
+        return self.weight_int4.dtype == torch.int32
+
+    def words_fit(self, device: torch.device) -> bool:
+        """Whether on `device` every token-row count has a kernel that reads the words: the tensor-core GEMVs at
+        1-8 rows (int4_mma, int4_stream: CUDA sm80+, cuda-bindings, bf16 scales and bias, K a multiple of 64, N of
+        16, N within their limits) and int4_gemm above (Triton, groups of 64 or more)."""
+        n, k = self.out_features, self.in_features
+        probe = torch.empty(1, k, device=device, dtype=torch.bfloat16) if device.type == "cuda" else None
+        return (probe is not None and int4_gemm.available() and self.scheme.group_size % 64 == 0
+                and int4_mma.layout_supports(probe, self.scales, k, n)
+                and (self.bias is None or self.bias.dtype == torch.bfloat16)
+                and n <= int4_mma.MAX_OUT_FEATURES_ROWS
+                and (n <= int4_mma.MAX_OUT_FEATURES or int4_stream.use_stream(n, k, 1)))
+
+    def to_words(self) -> None:
+        """Keep the weight only as int4_mma's words (the decode GEMVs' layout; int4_gemm reads it too): one run-time
+        copy instead of the stored nibbles beside the words (and the Triton GEMV's planes). Any device; the words'
+        kernels need words_fit."""
+        if not self.holds_words:
+            self.weight_int4 = int4_mma.repack_mma(self.weight_int4)
+            self._kernel_cache, self._planes_cache, self._mma_cache = {}, {}, {}
+
+    def to_stored(self) -> None:
+        """Back to the stored nibbles (undoes to_words)."""
+        if self.holds_words:
+            self.weight_int4 = self.stored_nibbles()
+            self._kernel_cache, self._planes_cache, self._mma_cache = {}, {}, {}
+
+    def stored_nibbles(self) -> torch.Tensor:
+        """The stored uint8 [N, K/2] nibbles: `weight_int4`, or made from the words (a new tensor) when it holds them."""
+        if not self.holds_words:
+            return self.weight_int4
+        return pack_int4(int4_mma.unpack_mma(self.weight_int4, self.out_features, self.in_features))
+
     def _kernel_args(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (x.device, x.dtype, self.weight_int4.data_ptr(), self.scales.data_ptr())
         if key not in self._kernel_cache:
-            self._kernel_cache = {key: (int4_kernel_weight(self.weight_int4, x.device),
+            self._kernel_cache = {key: (int4_kernel_weight(self.stored_nibbles(), x.device),
                                         scales_and_zeros(self.scales, self.zero_points, x.dtype).to(x.device))}
         return self._kernel_cache[key]
 
@@ -130,15 +171,15 @@ class Int4WeightLinear(nn.Module):
         """The nibbles repacked for fourfold.quant.int4_gemv (int32 group planes), made once per weight buffer."""
         key = (self.weight_int4.device, self.weight_int4.data_ptr())
         if key not in self._planes_cache:
-            self._planes_cache = {key: gemv.repack_planes(self.weight_int4, self.scheme.group_size)}
+            self._planes_cache = {key: gemv.repack_planes(self.stored_nibbles(), self.scheme.group_size)}
         return self._planes_cache[key]
 
     def mma_words(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The nibbles and scales repacked for fourfold.quant.int4_mma, made once per weight buffer."""
         key = (self.weight_int4.device, self.weight_int4.data_ptr(), self.scales.data_ptr())
         if key not in self._mma_cache:
-            self._mma_cache = {key: (int4_mma.repack_mma(self.weight_int4),
-                                     int4_mma.scale_words(self.scales, self.zero_points))}
+            words = self.weight_int4 if self.holds_words else int4_mma.repack_mma(self.weight_int4)
+            self._mma_cache = {key: (words, int4_mma.scale_words(self.scales, self.zero_points))}
         return self._mma_cache[key]
 
     def mma_workspace(self, split: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +204,8 @@ class Int4WeightLinear(nn.Module):
         """Whether x (.., K) runs a decode GEMV with its fusions: the tensor-core one (fourfold.quant.int4_mma, up
         to 8 rows where it runs) or the Triton one (CUDA, at most int4_gemv.MAX_ROWS rows), not torch's mm."""
         rows = x.numel() // self.in_features if self.in_features else 0
-        return self._uses_mma(x) or self._uses_stream(x) or (gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS)
+        return self._uses_mma(x) or self._uses_stream(x) or (gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS
+                                                             and not self.holds_words)
 
     def decode(self, x: torch.Tensor, *, gated: bool = False, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
@@ -177,7 +219,7 @@ class Int4WeightLinear(nn.Module):
         # one row of the gated form: the Triton GEMV is faster (H200 llama-1b: 6.0 vs 6.4 us; the other shapes
         # 2.5-4.3 us with the mma kernel against 2.5-4.5; bench/int4_mma_check.py)
         staged = int4_mma.use_staged(self.out_features, self.in_features, rows)
-        triton_row = gated and rows <= gemv.MAX_ROWS and gemv.available() and not staged
+        triton_row = gated and rows <= gemv.MAX_ROWS and gemv.available() and not staged and not self.holds_words
         if self._uses_mma(x) and not triton_row and (norm_weight is None or norm_weight.dtype == torch.bfloat16):
             words, scale_words = self.mma_words()
             launch = (int4_mma.staged_config if staged else int4_mma.config)(self.in_features,
@@ -186,6 +228,9 @@ class Int4WeightLinear(nn.Module):
             return int4_mma.int4_mma_gemv(x, words, scale_words, self.scheme.group_size, self.bias, gated=gated,
                                           residual=residual, norm_weight=norm_weight, eps=eps, launch_config=launch,
                                           workspace=workspace, staged=staged)
+        if self.holds_words:
+            raise ValueError("an int4 linear holding int4_mma's words (to_words) runs decode steps on the tensor-core "
+                             "GEMVs only: bf16 activations, norm weight and bias (see words_fit)")
         return gemv.int4_gemv(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size, self.bias,
                               gated=gated, asym=not self.scheme.symmetric, words=self.planes(), residual=residual,
                               norm_weight=norm_weight, eps=eps)
@@ -193,7 +238,7 @@ class Int4WeightLinear(nn.Module):
     def uses_gemm(self, x: torch.Tensor) -> bool:
         """Whether x (.., K) runs fourfold.quant.int4_gemm (CUDA, more than int4_gemm.TINYGEMM_ROWS rows)."""
         rows = x.numel() // self.in_features if self.in_features else 0
-        return int4_gemm.available() and x.is_cuda and rows > int4_gemm.TINYGEMM_ROWS
+        return int4_gemm.available() and x.is_cuda and (rows > int4_gemm.TINYGEMM_ROWS or self.holds_words)
 
     def forward(self, x: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ dequant(W).T + b; `gated` and `residual` (GEMV path only: see uses_gemv) return silu(first half) *
@@ -209,7 +254,7 @@ class Int4WeightLinear(nn.Module):
             x = x.to(torch.bfloat16)    # the CUDA kernels take bf16 activations
         if self.uses_gemm(x):
             return int4_gemm.int4_gemm(x, self.weight_int4, self.scales, self.zero_points, self.scheme.group_size,
-                                       self.bias, asym=not self.scheme.symmetric).to(out_dtype)
+                                       self.bias, asym=not self.scheme.symmetric, words=self.holds_words).to(out_dtype)
         packed, sz = self._kernel_args(x)
         x2 = x.reshape(-1, self.in_features).contiguous()
         if x.device.type == "cpu":
@@ -221,6 +266,20 @@ class Int4WeightLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
+
+
+def _state_dict_stored_nibbles(module: Int4WeightLinear, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict post hook: checkpoints always hold the stored nibbles, whichever layout the module runs."""
+    key = prefix + "weight_int4"
+    if module.holds_words and key in state_dict:
+        state_dict[key] = module.stored_nibbles()
+
+
+def _load_stored_nibbles(module: Int4WeightLinear, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre hook: stored nibbles loaded into a module that holds words are repacked first."""
+    key = prefix + "weight_int4"
+    if module.holds_words and key in state_dict and state_dict[key].dtype == torch.uint8:
+        state_dict[key] = int4_mma.repack_mma(state_dict[key])
 
 
 class Int8WeightLinear(nn.Module):
