@@ -7,9 +7,14 @@ fourfold.quant.int4_gemm at 7+ token rows), fourfold.quant.int4_mma's fragment-o
 and, for gate|up, the one-row Triton GEMV's group planes; llama-1b's block linears took ~0.63 of their bf16
 bytes instead of ~0.25. int4_gemm now reads the words too (a tile in natural order without a permute), so a
 linear whose every row count has a words kernel (Int4WeightLinear.words_fit) keeps only the words (to_words).
-Checkpoints still hold the stored nibbles (the module's state_dict hooks convert). The cost: one row of the
-gated gate|up runs on the tensor-core GEMV instead of the Triton one. FOURFOLD_INT4_ONE_COPY=0 at import keeps
-the previous copies (A/B).
+Checkpoints still hold the stored nibbles (the module's state_dict hooks convert).
+
+Off by default, because it costs speed (H200, llama-1b int4-g128, bench/results/2026-11-25-h200-int4-one-copy/):
+the model's run-time bytes drop from 1.64 to 0.93 GiB (int4 linears 0.277 of their bf16 bytes, not 0.658), but one
+sequence steps in 0.536 against 0.514 ms (the gated gate|up's one row on the tensor-core GEMV: the Triton one
+needs the planes), at 128 concurrent sequences 40,781 against 45,725 tok/s (above 64 rows the words are
+dequantized for cuBLAS) and at 64 concurrent 24,678 against 33,155, a gap the GEMM alone does not explain (within
+10% of the stored layout's there) and whose cause was not found. FOURFOLD_INT4_ONE_COPY=1 at import turns it on.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from torch import nn
 from fourfold.quant.packing import Int4WeightLinear
 
 ENABLED = os.environ.get("FOURFOLD_INT4_ONE_COPY") == "1"
-"""Off by default: FOURFOLD_INT4_ONE_COPY=1 at import turns it on (the engine's speed cost is in the docstring)."""
 
 
 def keep_one_copy(model: nn.Module, device: torch.device) -> int:
