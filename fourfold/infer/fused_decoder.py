@@ -82,9 +82,7 @@ def _fuse_int4(linears: list[Int4WeightLinear]) -> Int4WeightLinear:
     names = ["scales", "zero_points"] + (["bias"] if first.bias is not None else []) + ["weight_int4"]
     stacked = {}
     for n in names:
-        if n == "weight_int4" and any(lin.holds_words for lin in linears):
-            fused.weight_int4 = torch.empty(rows // 16, first.in_features // 64 * 128, dtype=torch.int32,
-                                            device=first.weight_int4.device)   # a probe for words_fit
+        if n == "weight_int4" and any(lin.holds_words for lin in linears):   # fused's scales and bias are set
             if not (all(lin.holds_words for lin in linears) and fused.words_fit(first.weight_int4.device)):
                 for lin in linears:
                     lin.to_stored()

@@ -255,7 +255,8 @@ def _config(m: int, n: int, k: int, group_size: int, words: bool = False) -> tup
     tiles with the weight as the dot's left operand, which Hopper's wgmma reads from registers (as the right one
     it is written to shared memory every step), K split the same way (at 128 rows q|k|v 12.0, o 9.9, gate|up
     26.8, down 17.9 us). Above (the fused kernel only when asked: DEQUANT_ROWS): 128 x 128 tiles, BLOCK_N
-    shrinking until about one program per SM."""
+    shrinking until about one program per SM. `words` (int4_mma's layout, two half tiles a program): BLOCK_N
+    doubled up to 64 rows, 128 at 65-128 (used only when asked: WORDS_DEQUANT_ROWS)."""
     bk = min(128, group_size)
     if m <= 64:
         bm, bn = (16 if m <= 16 else 64), (32 if n <= 16384 else 64)   # 64 for a vocabulary-sized head
