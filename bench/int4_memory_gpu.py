@@ -67,6 +67,7 @@ def child(args) -> None:
     torch.cuda.synchronize()
     model = engine.runner.model
     modules = [m for m in model.modules() if isinstance(m, Int4WeightLinear)]
+    bf16 = sum(m.in_features * m.out_features * 2 for m in modules)
     fused = engine.runner.fused
     if fused is not None:
         modules += [lin.packed for _, b in fused.blocks for lin in (b.qkv, b.wo, b.gate_up, b.w2)
@@ -78,7 +79,6 @@ def child(args) -> None:
             if key not in seen:
                 seen.add(key)
                 held += t.untyped_storage().nbytes()
-    bf16 = sum(m.in_features * m.out_features * 2 for m in model.modules() if isinstance(m, Int4WeightLinear))
     row = {"mode": args.mode, "kv_blocks": pool.num_blocks, "pool_bytes": pool_bytes,
            "model_bytes": torch.cuda.memory_allocated() - pool_bytes,
            "peak_bytes_over_pool": torch.cuda.max_memory_allocated() - pool_bytes,

@@ -35,8 +35,10 @@ def keep_one_copy(model: nn.Module, device: torch.device) -> int:
     Returns how many were converted; 0 when disabled or off CUDA."""
     if not ENABLED or device.type != "cuda":
         return 0
-    blocks = [m for name, m in model.named_modules() if isinstance(m, Int4WeightLinear) and ".layers." in f".{name}"]
-    others = [m for m in model.modules() if isinstance(m, Int4WeightLinear) and not any(m is b for b in blocks)]
+    blocks, others = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, Int4WeightLinear):
+            (blocks if ".layers." in f".{name}" else others).append(m)
     chosen = [m for m in others if m.words_fit(device)]
     if blocks and all(m.words_fit(device) for m in blocks):
         chosen += blocks

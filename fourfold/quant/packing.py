@@ -145,14 +145,17 @@ class Int4WeightLinear(nn.Module):
         copy instead of the stored nibbles beside the words (and the Triton GEMV's planes). Any device; the words'
         kernels need words_fit."""
         if not self.holds_words:
-            self.weight_int4 = int4_mma.repack_mma(self.weight_int4)
-            self._kernel_cache, self._planes_cache, self._mma_cache = {}, {}, {}
+            self._replace_weight(int4_mma.repack_mma(self.weight_int4))
 
     def to_stored(self) -> None:
         """Back to the stored nibbles (undoes to_words)."""
         if self.holds_words:
-            self.weight_int4 = self.stored_nibbles()
-            self._kernel_cache, self._planes_cache, self._mma_cache = {}, {}, {}
+            self._replace_weight(self.stored_nibbles())
+
+    def _replace_weight(self, weight: torch.Tensor) -> None:
+        """`weight_int4` in another layout: the copies cached from the old one are dropped."""
+        self.weight_int4 = weight
+        self._kernel_cache, self._planes_cache, self._mma_cache = {}, {}, {}
 
     def stored_nibbles(self) -> torch.Tensor:
         """The stored uint8 [N, K/2] nibbles: `weight_int4`, or made from the words (a new tensor) when it holds them."""
