@@ -103,6 +103,17 @@ def test_bad_shapes_and_unsupported_inputs():
                                torch.zeros(32, 112, dtype=torch.int32), 128)
 
 
+def test_two_tile_configs():
+    # 9-16 token rows: two tiles of x; the gated form then takes 4 warps of at most 4 quads (K over 2 blocks)
+    assert int4_mma.MAX_ROWS == 2 * int4_mma.TILE_ROWS == 16
+    assert int4_mma.config(5632, 128, rows=16) == int4_mma.config(5632, 128, rows=8) == (16, 6, 1)
+    assert int4_mma.config(2048, 128, rows=12) == (16, 2, 1)
+    assert int4_mma.config(2048, 128, True, rows=16) == (4, 4, 2) and int4_mma.config(2048, 128, True) == (8, 4, 1)
+    with pytest.raises(ValueError, match="staged form takes at most 8"):
+        int4_mma.int4_mma_gemv(torch.zeros(9, 4096, dtype=torch.bfloat16), torch.zeros(2, 64 * 128, dtype=torch.int32),
+                               torch.zeros(32, 32, dtype=torch.int32), 128, staged=True)
+
+
 def test_staged_configs_and_their_shared_memory():
     # weights through shared memory: 8 warps of at most 8 quads, K split past that (llama3-8b's down: 4 blocks)
     assert int4_mma.staged_config(4096, 128, gated=True) == (8, 8, 1)
@@ -129,10 +140,10 @@ def test_staged_rule_follows_the_mode(monkeypatch):
 
 
 @pytest.mark.skipif(not nvrtc_launch.available(), reason="needs cuda-bindings (NVRTC)")
-@pytest.mark.parametrize("split,stage", [(1, 0), (3, 0), (1, 1), (3, 1)])
-def test_kernel_compiles_for_hopper_without_a_gpu(split, stage):
+@pytest.mark.parametrize("split,stage,ntile", [(1, 0, 1), (3, 0, 1), (1, 1, 1), (3, 1, 1), (1, 0, 2), (3, 0, 2)])
+def test_kernel_compiles_for_hopper_without_a_gpu(split, stage, ntile):
     defines = {"WARPS": 16, "MAXQ": 2, "GS": 8, "SPLIT": split, "GATED": 1, "NORM": 1, "RES": 1, "BIAS": 1, "PDL": 1,
-               "STAGE": stage, "MINB": 2 if stage else 1}
+               "STAGE": stage, "MINB": 2 if stage else 1, "NTILE": ntile}
     try:
         cubin = nvrtc_launch.compile_cubin(int4_mma._source(), "int4_mma_gemv", defines, "sm_90")
     except Exception as e:  # noqa: BLE001 - cuda-bindings without the NVRTC library
@@ -141,10 +152,12 @@ def test_kernel_compiles_for_hopper_without_a_gpu(split, stage):
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and nvrtc_launch.available()), reason="needs CUDA + cuda-bindings")
-@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("staged", [False, True])
 def test_kernel_matches_the_dequantized_matmul_on_gpu(rows, split, staged):
+    if staged and rows > int4_mma.TILE_ROWS:
+        pytest.skip("the staged form takes one tile of 8 rows")
     torch.manual_seed(2)
     s = scheme_by_name("int4-g128-asym")
     lin = torch.nn.Linear(1024, 256, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -153,7 +166,8 @@ def test_kernel_matches_the_dequantized_matmul_on_gpu(rows, split, staged):
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
     r = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ dequantize_weight(q, scales, zeros, s).float().T + r.float()
-    launch = (int4_mma.staged_config if staged else int4_mma.config)(1024, 128, split=split)
+    launch = (int4_mma.staged_config(1024, 128, split=split) if staged
+              else int4_mma.config(1024, 128, split=split, rows=rows))
     y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, residual=r, launch_config=launch,
                                workspace=mod.mma_workspace(split), staged=staged)
     assert (y.float() - ref).norm() / ref.norm() < 1e-2

@@ -1,16 +1,18 @@
-"""Tensor-core int4 weight-only GEMV for decode steps of 1-8 token rows (CUDA C++ via NVRTC, bf16 activations).
+"""Tensor-core int4 weight-only GEMV for decode steps of 1-16 token rows (CUDA C++ via NVRTC, bf16 activations).
 
     words = repack_mma(weight_int4)                      # once per weight: int32 [N/16, K/8 * 16] in fragment order
     sw = scale_words(scales, zero_points)                # once per weight: int32 [N, K/G]
-    y = int4_mma_gemv(x, words, sw, group_size)          # x (M <= 8, K) bf16 -> (M, N)
+    y = int4_mma_gemv(x, words, sw, group_size)          # x (M <= 16, K) bf16 -> (M, N)
     # the fusions of fourfold.quant.int4_gemv: gated=True, residual=r, norm_weight=w (+ eps), bias=b
 
 Why CUDA C++: the weights go through the tensor cores (mma.m16n8k16, bf16 in, float32 sums), which needs the
 weight's 4 bits to land directly in the operand registers: a layout Triton's dot cannot be told about. The
 token rows are the mma's 8 columns, so 8 rows cost about what one does (H200, llama-1b: a layer's four GEMVs
-18.3 us at 8 rows and 15.8 at 1, sums of kernel times), where the Triton GEMV runs a program per row and 2-8 rows went to
-torch's int4 mm. At one row it is 0.1-0.6 us faster a GEMV than the Triton one. Not because of its ~4x fewer
-instructions per weight (a first version with them was no faster): what counts at decode is the latency of
+18.3 us at 8 rows and 15.8 at 1, sums of kernel times), where the Triton GEMV runs a program per row and 2-8 rows
+went to torch's int4 mm. 9-16 rows take two 8-column tiles per weight fragment (NTILE 2; a layer's four GEMVs with
+their fusions 31-34 us against 42 for int4_gemm with separate norm and SiLU*mul kernels, bf16 cuBLAS 45:
+bench/int4_two_tile_check.py). At one row it is 0.1-0.6 us faster a GEMV than the Triton one. Not because of its
+~4x fewer instructions per weight (a first version with them was no faster): what counts at decode is the latency of
 each kernel's chain (wait for the previous kernel, read x, sum, reduce across warps, epilogue), so x is read in
 16-byte pieces, the mma sums run as two independent chains and the residual is read as soon as the wait ends.
 
@@ -45,8 +47,12 @@ import torch
 from fourfold.ops import nvrtc_launch
 from fourfold.ops.triton_launch import pdl
 
-MAX_ROWS = 8
-"""Token rows one call takes: the mma's 8 columns."""
+TILE_ROWS = 8
+"""Token rows of one tile: the mma's 8 columns."""
+
+MAX_ROWS = TILE_ROWS if os.environ.get("FOURFOLD_INT4_MMA_TWO_TILES") == "0" else 2 * TILE_ROWS
+"""Token rows one call takes: two tiles (NTILE 2 in the kernel; not the staged form). Above, fourfold.quant.int4_gemm.
+FOURFOLD_INT4_MMA_TWO_TILES=0 at import keeps one tile, 8 rows (A/B)."""
 
 MAX_OUT_FEATURES = 12288
 """At one token row, wider weights (an output head) keep the other kernels: every weight of a block is loaded
@@ -81,7 +87,7 @@ def _source() -> str:
 
 def layout_supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int) -> bool:
     """Whether x (.., K) and an int4 weight with these scales fit the kernels of this layout (this one and
-    fourfold.quant.int4_stream) on x's device: cuda-bindings, bf16, 1-8 rows, K a multiple of 64, N of 16, sm80+."""
+    fourfold.quant.int4_stream) on x's device: cuda-bindings, bf16, 1-16 rows, K a multiple of 64, N of 16, sm80+."""
     rows = x.numel() // in_features if in_features else 0
     return (ENABLED and nvrtc_launch.available() and x.is_cuda and x.dtype == torch.bfloat16
             and scales.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and in_features % 64 == 0
@@ -91,9 +97,9 @@ def layout_supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out
 def supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int) -> bool:
     """Whether this kernel can run x (.., K) against an int4 weight with these scales on x's device."""
     rows = x.numel() // in_features if in_features else 0
-    return (layout_supports(x, scales, in_features, out_features)
-            and out_features <= (MAX_OUT_FEATURES if rows == 1 and not use_staged(out_features, in_features, rows)
-                                 else MAX_OUT_FEATURES_ROWS))
+    staged = use_staged(out_features, in_features, rows)
+    return (layout_supports(x, scales, in_features, out_features) and not (staged and rows > TILE_ROWS)
+            and out_features <= (MAX_OUT_FEATURES if rows == 1 and not staged else MAX_OUT_FEATURES_ROWS))
 
 
 def repack_mma(weight_int4: torch.Tensor) -> torch.Tensor:
@@ -146,13 +152,25 @@ projection (K 14336) 17.6 / 18.9 us at 4 warps (K over 10 blocks) against 25.0 /
 needed costs more than it gives (llama-1b: every shape 1-3 us slower split in two), hence only past MAX_WARP_QUADS."""
 
 
+TWO_TILE_GATED = (SPLIT_WARPS, 4)
+"""(warps a block, most quads a warp) of the gated form at 9-16 token rows, where a warp holds two tiles of x besides
+the gate and up weights. H200, llama-1b, a decoder layer's four GEMVs at 9 / 12 / 16 rows in a CUDA graph
+(bench/int4_two_tile_check.py): 31.7 / 32.8 / 33.6 us with gate|up at 4 warps (K over 2 blocks) against 33.8 / 35.1 /
+35.4 at 8 warps of 4 quads. The other forms keep one tile's rule: llama-1b's down at 16 warps of 6 quads spills 224
+bytes a thread with two tiles (sm_90, NVRTC) and is still faster in that layer than 4 quads a warp over 6 blocks."""
+
+
 def config(k: int, group_size: int, gated: bool = False, warps: int | None = None,
-           split: int | None = None, max_quads: int = MAX_WARP_QUADS) -> tuple[int, int, int]:
+           split: int | None = None, max_quads: int | None = None, rows: int = 1) -> tuple[int, int, int]:
     """(WARPS, MAXQ, SPLIT): warps per block (they split K), the most 64-wide quads one warp takes, and how many
     blocks split K. Block sizes from bench/int4_mma_check.py's sweep on an H200 (llama-1b, 1 and 8 rows): 16 warps,
     8 for the gated form. Timed in a decoder layer's chain too (the same script): q|k|v, o and down at 16 warps
     16.7 us at one row and 19.1 at 8 rows, against 17.0 and 20.0 with q|k|v and o at 8. SPLIT by default: the
-    fewest blocks that keep a warp's quads at most `max_quads`, then SPLIT_WARPS warps a block unless `warps`."""
+    fewest blocks that keep a warp's quads at most `max_quads` (MAX_WARP_QUADS), then SPLIT_WARPS warps a block
+    unless `warps`. The gated form above TILE_ROWS `rows` takes TWO_TILE_GATED."""
+    two_tile_gated = gated and rows > TILE_ROWS
+    if max_quads is None:
+        max_quads = TWO_TILE_GATED[1] if two_tile_gated else MAX_WARP_QUADS
     unit = max(1, group_size // 64)           # quads per group-aligned unit
     units = k // 64 // unit
 
@@ -160,7 +178,7 @@ def config(k: int, group_size: int, gated: bool = False, warps: int | None = Non
         return -(-units // (s * warps)) * unit
 
     if warps is None:
-        warps = 8 if gated else 16
+        warps = TWO_TILE_GATED[0] if two_tile_gated else 8 if gated else 16
         if split is None and warp_quads(1) > max_quads:
             warps = SPLIT_WARPS
     if split is None:
@@ -223,8 +241,9 @@ def staged_shared_bytes(warps: int, maxq: int, gated: bool) -> int:
     return warps * maxq * (2 if gated else 1) * 512
 
 
-SPLIT_VALUES = 10
-"""Float32 sums a lane of a split block stores: the kernel's NRED at most (gate and up, 4 each, and 2 squares)."""
+SPLIT_VALUES = 20
+"""Float32 sums a lane of a split block stores: the kernel's NRED at most (per token tile gate and up, 4 each, and 2
+squares)."""
 
 
 def split_workspace(row_blocks: int, split: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,6 +271,9 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
     rows, n_total = x2.shape[0], words.shape[0] * 16
     n = n_total // 2 if gated else n_total
     assert rows <= MAX_ROWS and k % 64 == 0 and words.shape[1] == k // 64 * 128 and n % 16 == 0
+    ntile = -(-rows // TILE_ROWS)
+    if staged and ntile > 1:
+        raise ValueError(f"the staged form takes at most {TILE_ROWS} token rows, got {rows}")
     assert scale_words_.shape == (n_total, k // group_size) and scale_words_.is_contiguous()
     out = torch.empty(rows, n, device=x.device, dtype=torch.bfloat16)
     res = None
@@ -260,7 +282,8 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
         assert res.stride(-1) == 1 and res.dtype == torch.bfloat16
     for t in (bias, norm_weight):
         assert t is None or (t.dtype == torch.bfloat16 and t.is_contiguous())
-    warps, maxq, split = launch_config or (staged_config if staged else config)(k, group_size, gated)
+    warps, maxq, split = launch_config or (staged_config(k, group_size, gated) if staged
+                                           else config(k, group_size, gated, rows=rows))
     shared = staged_shared_bytes(warps, maxq, gated) if staged else 0
     if shared > MAX_SHARED_BYTES:
         raise ValueError(f"a staged launch of {warps} warps x {maxq} quads needs {shared} bytes of shared memory, more "
@@ -275,7 +298,7 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
     use_pdl = pdl(x.device)
     defines = {"WARPS": warps, "MAXQ": maxq, "GS": group_size // 16, "SPLIT": split, "GATED": int(gated),
                "NORM": int(norm_weight is not None), "RES": int(res is not None), "BIAS": int(bias is not None),
-               "PDL": int(use_pdl), "STAGE": int(staged), "MINB": min_blocks(warps) if staged else 1}
+               "PDL": int(use_pdl), "STAGE": int(staged), "MINB": min_blocks(warps) if staged else 1, "NTILE": ntile}
     kernel = nvrtc_launch.compiled_kernel(_source(), "int4_mma_gemv", defines, x.device)
     nvrtc_launch.launch(kernel, n // 16 * split, warps * 32,
                         [words, scale_words_, x2, norm_weight, bias, res, out, partial, tickets, rows, k, n, x2.stride(0),

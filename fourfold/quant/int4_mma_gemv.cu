@@ -1,9 +1,10 @@
-// Tensor-core int4 weight-only GEMV for decode steps of up to 8 token rows (compiled at run time by NVRTC:
+// Tensor-core int4 weight-only GEMV for decode steps of up to 16 token rows (compiled at run time by NVRTC:
 // fourfold/quant/int4_mma.py, which documents the weight layout and the arithmetic).
 //
 // Compile-time settings (-D): WARPS (warps of a block, which split K), MAXQ (most 64-wide K quads a warp
 // takes), GS (16-wide k-steps per quantization group), SPLIT (blocks that split K), GATED, NORM, RES, BIAS, PDL
-// (0/1 each), STAGE (0: a warp's weights wait in registers; 1: they are copied into dynamic shared memory with
+// (0/1 each), NTILE (8-token tiles: token rows 8 * tile + g are the mma's columns of tile `tile`; 2 only without
+// STAGE), STAGE (0: a warp's weights wait in registers; 1: they are copied into dynamic shared memory with
 // cp.async, one commit group per quad, and x is read quad by quad: far fewer registers, so many more blocks of a
 // wide weight are resident and keep loads in flight) and MINB (blocks per SM the register budget must allow).
 // SPLIT blocks own one 16-row block of the output (GATED: the gate rows and the matching up rows);
@@ -21,9 +22,16 @@
 #ifndef MINB
 #define MINB 1
 #endif
+#ifndef NTILE
+#define NTILE 1
+#endif
+#if NTILE > 1 && STAGE
+#error "the staged form takes one token tile"
+#endif
 
 #define MAXG ((MAXQ * 4 + GS - 1) / GS)
-#define NRED (4 + 4 * GATED + 2 * NORM)
+#define NVAL (4 + 4 * GATED + 2 * NORM)   // sums a lane holds per token tile
+#define NRED (NVAL * NTILE)
 
 #if MINB > 1
 #define BOUNDS __launch_bounds__(WARPS * 32, MINB)
@@ -126,46 +134,68 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 #endif
 
 #if !STAGE
-    // all of the warp's x at once (STAGE reads it quad by quad in the main loop); written out rather than through
-    // load_x_quad, which gave this form slightly different machine code (the same SASS as before the staged form)
-    u32 xb[MAXQ * 4][2];
+    // all of the warp's x at once, each token tile's (STAGE reads it quad by quad in the main loop); written out
+    // rather than through load_x_quad, which gave this form slightly different machine code
+    u32 xb[NTILE][MAXQ * 4][2];
 #pragma unroll
-    for (int i = 0; i < MAXQ; ++i) {
-        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-        if (i < nq && g < m) {
-            const u16* p = x + (size_t)g * stride_x + (q0 + i) * 64 + 8 * t;
-            lo = *(const uint4*)p;
-            hi = *(const uint4*)(p + 32);
+    for (int tt = 0; tt < NTILE; ++tt) {
+#pragma unroll
+        for (int i = 0; i < MAXQ; ++i) {
+            uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+            if (i < nq && 8 * tt + g < m) {
+                const u16* p = x + (size_t)(8 * tt + g) * stride_x + (q0 + i) * 64 + 8 * t;
+                lo = *(const uint4*)p;
+                hi = *(const uint4*)(p + 32);
+            }
+            u32 (*b)[2] = xb[tt] + i * 4;
+            b[0][0] = lo.x; b[0][1] = lo.y; b[1][0] = lo.z; b[1][1] = lo.w;
+            b[2][0] = hi.x; b[2][1] = hi.y; b[3][0] = hi.z; b[3][1] = hi.w;
         }
-        xb[i * 4 + 0][0] = lo.x; xb[i * 4 + 0][1] = lo.y; xb[i * 4 + 1][0] = lo.z; xb[i * 4 + 1][1] = lo.w;
-        xb[i * 4 + 2][0] = hi.x; xb[i * 4 + 2][1] = hi.y; xb[i * 4 + 3][0] = hi.z; xb[i * 4 + 3][1] = hi.w;
     }
 #endif
 #if RES
-    float res_v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (warp == 0) {
+    float res_v[NTILE][4];
+#pragma unroll
+    for (int tt = 0; tt < NTILE; ++tt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int col = 2 * t + (e & 1);
-            if (col < m) res_v[e] = bf16_to_float(res[(size_t)col * stride_res + (e < 2 ? row0 : row1)]);
+            const int col = 8 * tt + 2 * t + (e & 1);
+            res_v[tt][e] = warp == 0 && col < m ? bf16_to_float(res[(size_t)col * stride_res + (e < 2 ? row0 : row1)])
+                                                : 0.f;
         }
     }
 #endif
 #if NORM
-    float sq[4] = {0.f, 0.f, 0.f, 0.f};   // squares of x per token
+    float sq[NTILE][4];   // squares of x per token
+#pragma unroll
+    for (int tt = 0; tt < NTILE; ++tt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sq[tt][e] = 0.f;
 #if !STAGE
 #pragma unroll
-    for (int i = 0; i < MAXQ; ++i) {
-        if (i < nq) norm_quad(xb + i * 4, nwq[i][0], nwq[i][1], sq);
+    for (int tt = 0; tt < NTILE; ++tt) {
+#pragma unroll
+        for (int i = 0; i < MAXQ; ++i) {
+            if (i < nq) norm_quad(xb[tt] + i * 4, nwq[i][0], nwq[i][1], sq[tt]);
+        }
     }
 #endif
 #endif
 
     // two chains of mma sums (even and odd k-steps) so consecutive mmas do not wait for each other
-    float tot[4] = {0.f, 0.f, 0.f, 0.f}, acc[2][4], xs[2][4];
+    float tot[NTILE][4], acc[NTILE][2][4], xs[NTILE][2][4];
 #if GATED
-    float totu[4] = {0.f, 0.f, 0.f, 0.f}, accu[2][4];
+    float totu[NTILE][4], accu[NTILE][2][4];
 #endif
+#pragma unroll
+    for (int tt = 0; tt < NTILE; ++tt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            tot[tt][e] = 0.f;
+#if GATED
+            totu[tt][e] = 0.f;
+#endif
+        }
 #pragma unroll
     for (int i = 0; i < MAXQ; ++i) {
         if (i < nq) {
@@ -174,7 +204,7 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
             load_x_quad(xq, x, stride_x, g, t, m, (q0 + i) * 64);
 #if NORM
             const uint4* nwp = (const uint4*)(norm_weight + (q0 + i) * 64 + 8 * t);
-            norm_quad(xq, nwp[0], nwp[4], sq);   // nwp[4]: 32 bf16 further
+            norm_quad(xq, nwp[0], nwp[4], sq[0]);   // nwp[4]: 32 bf16 further
 #endif
             copy_wait<MAXQ - 1>(MAXQ - 1 - i);
             const uint4 wgi = own[i * (1 + GATED) * 32];
@@ -194,36 +224,39 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int step = i * 4 + j;   // k-step within the warp's range (which starts on a group)
-                if (step % GS == 0) {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
+                for (int tt = 0; tt < NTILE; ++tt) {
+                    if (step % GS == 0) {
 #pragma unroll
-                        for (int c = 0; c < 2; ++c) {
-                            acc[c][e] = 0.f;
-                            xs[c][e] = 0.f;
+                        for (int e = 0; e < 4; ++e) {
+#pragma unroll
+                            for (int c = 0; c < 2; ++c) {
+                                acc[tt][c][e] = 0.f;
+                                xs[tt][c][e] = 0.f;
 #if GATED
-                            accu[c][e] = 0.f;
+                                accu[tt][c][e] = 0.f;
 #endif
+                            }
                         }
                     }
-                }
 #if STAGE
-                const u32* b = xq[j];
+                    const u32* b = xq[j];
 #else
-                const u32* b = xb[step];
+                    const u32* b = xb[tt][step];
 #endif
-                const u32 w = wq[j];
-                mma_int4(acc[j & 1], w, b);
-                mma_bf16(xs[j & 1], ONES, ONES, ONES, ONES, b[0], b[1]);
+                    const u32 w = wq[j];
+                    mma_int4(acc[tt][j & 1], w, b);
+                    mma_bf16(xs[tt][j & 1], ONES, ONES, ONES, ONES, b[0], b[1]);
 #if GATED
-                const u32 v = uq[j];
-                mma_int4(accu[j & 1], v, b);
+                    const u32 v = uq[j];
+                    mma_int4(accu[tt][j & 1], v, b);
 #endif
-                if ((step + 1) % GS == 0) {
-                    flush_group(tot, acc, xs, sg0[step / GS], sg1[step / GS]);
+                    if ((step + 1) % GS == 0) {
+                        flush_group(tot[tt], acc[tt], xs[tt], sg0[step / GS], sg1[step / GS]);
 #if GATED
-                    flush_group(totu, accu, xs, su0[step / GS], su1[step / GS]);
+                        flush_group(totu[tt], accu[tt], xs[tt], su0[step / GS], su1[step / GS]);
 #endif
+                    }
                 }
             }
         }
@@ -231,14 +264,21 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 
     // sum the warps' partial results
     __shared__ float red[NRED][WARPS][32];
-    const float sums[NRED] = {tot[0], tot[1], tot[2], tot[3],
+    float sums[NRED];   // per token tile: the sums, the up sums, the squares
+#pragma unroll
+    for (int tt = 0; tt < NTILE; ++tt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            sums[tt * NVAL + e] = tot[tt][e];
 #if GATED
-                              totu[0], totu[1], totu[2], totu[3],
+            sums[tt * NVAL + 4 + e] = totu[tt][e];
 #endif
+        }
 #if NORM
-                              sq[0], sq[1],
+        sums[tt * NVAL + 4 + 4 * GATED] = sq[tt][0];
+        sums[tt * NVAL + 5 + 4 * GATED] = sq[tt][1];
 #endif
-    };
+    }
     store_warp_sums<NRED, WARPS>(red, sums, warp, lane);
     __syncthreads();
     if (warp != 0) return;
@@ -264,37 +304,41 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
     }
     if (lane == 0) tickets[rb] = 0;   // ready for the next launch
 #endif
+#pragma unroll
+    for (int tt = 0; tt < NTILE; ++tt) {
+        const float* vt = v + tt * NVAL;
 #if NORM
-    // token c's sum of squares is element (c, c): lane 4c + c/2, register c % 2
-    const float sq_even = __shfl_sync(0xFFFFFFFFu, v[4 + 4 * GATED], 9 * t);
-    const float sq_odd = __shfl_sync(0xFFFFFFFFu, v[5 + 4 * GATED], 9 * t + 4);
-    const float rstd[2] = {rsqrtf(sq_even / k + eps), rsqrtf(sq_odd / k + eps)};
+        // token c's sum of squares is element (c, c): lane 4c + c/2, register c % 2
+        const float sq_even = __shfl_sync(0xFFFFFFFFu, vt[4 + 4 * GATED], 9 * t);
+        const float sq_odd = __shfl_sync(0xFFFFFFFFu, vt[5 + 4 * GATED], 9 * t + 4);
+        const float rstd[2] = {rsqrtf(sq_even / k + eps), rsqrtf(sq_odd / k + eps)};
 #endif
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int col = 2 * t + (e & 1);          // token row
-        const int row = (e < 2) ? row0 : row1;   // output feature
-        if (col >= m) continue;
-        float y = v[e];
+        for (int e = 0; e < 4; ++e) {
+            const int col = 8 * tt + 2 * t + (e & 1);   // token row
+            const int row = (e < 2) ? row0 : row1;       // output feature
+            if (col >= m) continue;
+            float y = vt[e];
 #if NORM
-        y *= rstd[e & 1];
+            y *= rstd[e & 1];
 #endif
 #if BIAS
-        y += bias_v[e];
+            y += bias_v[e];
 #endif
 #if GATED
-        float up = v[4 + e];
+            float up = vt[4 + e];
 #if NORM
-        up *= rstd[e & 1];
+            up *= rstd[e & 1];
 #endif
 #if BIAS
-        up += bias_u[e];
+            up += bias_u[e];
 #endif
-        y = silu_mul_rounded(y, up);
+            y = silu_mul_rounded(y, up);
 #endif
 #if RES
-        y = round_bf16(y) + res_v[e];
+            y = round_bf16(y) + res_v[tt][e];
 #endif
-        out[(size_t)col * stride_out + row] = float_to_bf16(y);
+            out[(size_t)col * stride_out + row] = float_to_bf16(y);
+        }
     }
 }

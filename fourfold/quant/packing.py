@@ -25,7 +25,9 @@ On CUDA, steps of more than int4_gemm.TINYGEMM_ROWS (6) token rows run fourfold.
 stored nibbles (a Triton W4A16 GEMM; above 128 rows a Triton dequantize + cuBLAS): torch's tiled kernel wins
 at a few rows but is 8-12x slower at 256 rows on an H200. Steps of at most int4_gemv.MAX_ROWS token rows
 run fourfold.quant.int4_gemv's Triton GEMV instead, over a copy of the nibbles repacked once into its
-group-plane layout (`planes()`, cached like torch's tiled copy).
+group-plane layout (`planes()`, cached like torch's tiled copy). Where fourfold.quant.int4_mma runs (sm80+,
+cuda-bindings, bf16), steps of 1-16 token rows take its tensor-core GEMV (`mma_words()`; int4_stream for wide
+weights at one row) before either.
 The 8da4w module fake-quantizes its input per token (int8, dynamic) before the int4-weight kernel: torch
 has no int8-activation x int4-weight kernel, so this reproduces the numbers, not the int8 speed-up.
 Plain torch rather than torchao: its int4 weight-only kernels need a package (mslk) that does not install.
@@ -130,8 +132,8 @@ class Int4WeightLinear(nn.Module):
 
     def words_fit(self, device: torch.device) -> bool:
         """Whether on `device` every token-row count has a kernel that reads the words: the tensor-core GEMVs at
-        1-8 rows (int4_mma, int4_stream: CUDA sm80+, cuda-bindings, bf16 scales and bias, K a multiple of 64, N of
-        16, N within their limits) and int4_gemm above (Triton, groups of 64 or more)."""
+        1-16 rows (int4_mma, int4_stream: CUDA sm80+, cuda-bindings, bf16 scales and bias, K a multiple of 64, N of
+        16, N within their limits; 1-8 on the staged form) and int4_gemm above (Triton, groups of 64 or more)."""
         n, k = self.out_features, self.in_features
         probe = torch.empty(1, k, device=device, dtype=torch.bfloat16) if device.type == "cuda" else None
         return (probe is not None and int4_gemm.available() and self.scheme.group_size % 64 == 0
@@ -205,7 +207,7 @@ class Int4WeightLinear(nn.Module):
 
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether x (.., K) runs a decode GEMV with its fusions: the tensor-core one (fourfold.quant.int4_mma, up
-        to 8 rows where it runs) or the Triton one (CUDA, at most int4_gemv.MAX_ROWS rows), not torch's mm."""
+        to 16 rows where it runs) or the Triton one (CUDA, at most int4_gemv.MAX_ROWS rows), not torch's mm."""
         rows = x.numel() // self.in_features if self.in_features else 0
         return self._uses_mma(x) or self._uses_stream(x) or (gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS
                                                              and not self.holds_words)
@@ -225,8 +227,8 @@ class Int4WeightLinear(nn.Module):
         triton_row = gated and rows <= gemv.MAX_ROWS and gemv.available() and not staged and not self.holds_words
         if self._uses_mma(x) and not triton_row and (norm_weight is None or norm_weight.dtype == torch.bfloat16):
             words, scale_words = self.mma_words()
-            launch = (int4_mma.staged_config if staged else int4_mma.config)(self.in_features,
-                                                                             self.scheme.group_size, gated)
+            launch = (int4_mma.staged_config(self.in_features, self.scheme.group_size, gated) if staged
+                      else int4_mma.config(self.in_features, self.scheme.group_size, gated, rows=rows))
             workspace = self.mma_workspace(launch[2]) if launch[2] > 1 else None
             return int4_mma.int4_mma_gemv(x, words, scale_words, self.scheme.group_size, self.bias, gated=gated,
                                           residual=residual, norm_weight=norm_weight, eps=eps, launch_config=launch,
