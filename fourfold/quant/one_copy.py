@@ -3,8 +3,8 @@
     keep_one_copy(model, device)    # before the KV pool is sized: what it frees goes to the pool
 
 A converted linear on a GPU used to hold its weight three times, each the stored size: the stored nibbles (for
-fourfold.quant.int4_gemm above the decode GEMVs' rows), fourfold.quant.int4_mma's fragment-order words (the decode GEMVs)
-and, for gate|up, the one-row Triton GEMV's group planes; llama-1b's block linears took ~0.63 of their bf16
+fourfold.quant.int4_gemm above the decode GEMVs' rows), fourfold.quant.int4_mma's fragment-order words (the
+decode GEMVs) and, for gate|up, the one-row Triton GEMV's group planes; llama-1b's block linears took ~0.63 of their bf16
 bytes instead of ~0.25. int4_gemm now reads the words too (a tile in natural order without a permute), so a
 linear whose every row count has a words kernel (Int4WeightLinear.words_fit) keeps only the words (to_words).
 Checkpoints still hold the stored nibbles (the module's state_dict hooks convert).
