@@ -271,32 +271,40 @@ def kernel_summary(prof, steps: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_decode(llm, args, vocab, variant: str) -> None:
-    """Where five decode steps' device time goes at each --profile-batches size: kernel_summary, written to --out
-    (one file per variant and batch)."""
+def steady_decode_summary(engine, prompts, params, tag: str, steps: int = 5) -> str:
+    """kernel_summary of `steps` engine steps once `prompts` (requests tag-0, tag-1, ...) decode together: after 8
+    steps of prefill and settling; the requests then run to the end."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from fourfold.infer.requests import SamplingParams
-
-    engine = llm.engine
-    for batch in args.profile_batches:
-        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(prompts_for(batch, args.prompt_len, vocab, seed=777 + batch)):
-            engine.add_request(f"profile-{batch}-{i}", p, params)
-        for _ in range(8):  # prefill, then settle into decode steps
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                engine.step()
-            torch.cuda.synchronize()
+    summary = kernel_summary(prof, steps)
+    while engine.has_unfinished():
+        engine.step()
+    return summary
+
+
+def profile_decode(llm, args, vocab, variant: str) -> None:
+    """Where five decode steps' device time goes at each --profile-batches size: kernel_summary, written to --out
+    (one file per variant and batch)."""
+    from fourfold.infer.requests import SamplingParams
+
+    for batch in args.profile_batches:
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        prompts = prompts_for(batch, args.prompt_len, vocab, seed=777 + batch)
+        summary = steady_decode_summary(llm.engine, prompts, params, f"profile-{batch}")
         name = f"decode_profile_{variant}_b{batch}.txt"
         with open(os.path.join(args.out, name), "w") as f:
             f.write(f"{variant} decode, batch {batch}, 5 engine steps (sampling and scheduling included)\n")
-            f.write(kernel_summary(prof, 5))
-        while engine.has_unfinished():
-            engine.step()
+            f.write(summary)
         say(f"PROGRESS wrote {name}")
 
 

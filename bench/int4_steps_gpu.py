@@ -89,7 +89,7 @@ def child(args) -> None:
     from fourfold.infer.llm import LLM
     from fourfold.infer.requests import SamplingParams
     from fourfold.quant.packing import Int4WeightLinear
-    from generate import kernel_summary, model_dir, preset_vocab, prompts_for
+    from generate import model_dir, preset_vocab, prompts_for, steady_decode_summary
 
     ns = types.SimpleNamespace(preset=args.preset, device="cuda", workdir=args.workdir)
     llm = LLM(model_dir(ns, args.quant), device="cuda", dtype=torch.bfloat16, max_num_seqs=256,
@@ -101,21 +101,9 @@ def child(args) -> None:
     llm.generate(prompts_for(args.concurrency, PROMPT, vocab, seed=2), params, progress=False)
     wall = time.perf_counter() - t0
     steps = timed_steps(engine, prompts_for(args.concurrency, PROMPT, vocab, seed=3), params)
-    from torch.profiler import ProfilerActivity, profile
-
-    for i, p in enumerate(prompts_for(args.concurrency, PROMPT, vocab, seed=4)):
-        engine.add_request(f"profile-{i}", p, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True,
-                                                             detokenize=False))
-    for _ in range(8):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            engine.step()
-        torch.cuda.synchronize()
-    summary = kernel_summary(prof, 5)
-    while engine.has_unfinished():
-        engine.step()
+    summary = steady_decode_summary(engine, prompts_for(args.concurrency, PROMPT, vocab, seed=4),
+                                    SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, detokenize=False),
+                                    "profile")
     words = sum(m.holds_words for m in engine.runner.model.modules() if isinstance(m, Int4WeightLinear))
     row = {"mode": args.mode, "tok_s": args.concurrency * NEW / wall, "steps": steps, "groups": group(steps),
            "words_modules": words, "fused": engine.runner.fused is not None, "summary": summary,
