@@ -32,7 +32,7 @@ norm kernel rounds the normed row too) and rstd applied to the finished sums.
 One block of WARPS warps owns 16 output rows (gated: the gate rows and their up rows), its warps split K in
 group-aligned ranges and sum through shared memory. Weights and scales are loaded before the kernel waits for
 the previous one (programmatic dependent launch on Hopper). Staged form (`staged=True`, STAGE=1; `use_staged`
-picks it for 2-8 rows on a wide model): the weight words go to shared memory by cp.async instead of registers and
+picks it for 2-16 rows on a wide model): the weight words go to shared memory by cp.async instead of registers and
 x is read quad by quad, so many more blocks of a wide weight are resident. Needs cuda-bindings (fourfold.ops.nvrtc_launch),
 bf16 scales, K a multiple of 64 and N of 16; otherwise callers keep the Triton GEMV.
 """
@@ -51,7 +51,7 @@ TILE_ROWS = 8
 """Token rows of one tile: the mma's 8 columns."""
 
 MAX_ROWS = TILE_ROWS if os.environ.get("FOURFOLD_INT4_MMA_TWO_TILES") == "0" else 2 * TILE_ROWS
-"""Token rows one call takes: two tiles (NTILE 2 in the kernel; not the staged form). Above, fourfold.quant.int4_gemm.
+"""Token rows one call takes: two tiles (NTILE 2 in the kernel). Above, fourfold.quant.int4_gemm.
 FOURFOLD_INT4_MMA_TWO_TILES=0 at import keeps one tile, 8 rows (A/B)."""
 
 MAX_OUT_FEATURES = 12288
@@ -60,7 +60,7 @@ before its first mma, so a weight of many 16-row blocks runs in many waves (H200
 at one row: a 0.606 against 0.526 ms decode step). The sweep covered up to 11264 rows (llama-1b's gate|up)."""
 
 MAX_OUT_FEATURES_ROWS = 32768
-"""At 2-8 token rows the limit is this: the other kernels there are torch's int4 mm and the W4A16 GEMM, far slower
+"""At 2-16 token rows the limit is this: the other kernels there are torch's int4 mm and the W4A16 GEMM, far slower
 on wide weights (H200, llama3-8b's gate|up, 28672 rows, at 8 rows: 28.5 us here against 157 us;
 bench/int4_mma_check.py --preset llama3-8b)."""
 
@@ -98,7 +98,7 @@ def supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out_featur
     """Whether this kernel can run x (.., K) against an int4 weight with these scales on x's device."""
     rows = x.numel() // in_features if in_features else 0
     staged = use_staged(out_features, in_features, rows)
-    return (layout_supports(x, scales, in_features, out_features) and not (staged and rows > TILE_ROWS)
+    return (layout_supports(x, scales, in_features, out_features)
             and out_features <= (MAX_OUT_FEATURES if rows == 1 and not staged else MAX_OUT_FEATURES_ROWS))
 
 
@@ -195,16 +195,17 @@ STAGE_WARP_QUADS = 8
 """Quads a warp of the staged kernel takes at most (4 KiB of shared memory a warp, 8 KiB gated)."""
 
 STAGE_MODE = os.environ.get("FOURFOLD_INT4_STAGE", "auto")
-"""Which decode launches run staged: "0" none, "1" all, "auto" those of 2-8 token rows on weights whose two
+"""Which decode launches run staged: "0" none, "1" all, "auto" those of 2-16 token rows on weights whose two
 dimensions are both at least STAGE_MIN_DIM. H200, a decoder layer's four GEMVs in a CUDA graph
 (bench/int4_mma_check.py --preset llama3-8b --layers-only, same machine): at 8 rows 82.8 us a layer with the
 register kernels, 65.3 with all four staged, but 71.4 with only gate|up and down staged: a layer that mixes the two
 kinds runs slower than either, so the rule takes every weight of a wide model or none. At one row all staged is
 60.4 against 58.9 (alone the staged kernels win: gate|up 23.3 against 25.2 us), and llama-1b's shapes gain nothing
-(its layer 21.1-21.6 us all staged against 18.5-19.4)."""
+(its layer 21.1-21.6 us all staged against 18.5-19.4). At 9-16 rows (two tiles) llama3-8b's staged layer takes
+103.8-106.0 us against 112.3-113.3 on int4_gemm with separate norm kernels (bench/int4_two_tile_check.py)."""
 
 STAGE_MIN_DIM = 4096
-"""Both dimensions of a weight from which "auto" stages launches of 2-8 rows: every decoder weight of a model of
+"""Both dimensions of a weight from which "auto" stages launches of 2-16 rows: every decoder weight of a model of
 width 4096 (llama3-8b), none of llama-1b's (width 2048)."""
 
 CARVEOUT = int(os.environ["FOURFOLD_INT4_CARVEOUT"]) if os.environ.get("FOURFOLD_INT4_CARVEOUT") else None
@@ -272,8 +273,6 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
     n = n_total // 2 if gated else n_total
     assert rows <= MAX_ROWS and k % 64 == 0 and words.shape[1] == k // 64 * 128 and n % 16 == 0
     ntile = -(-rows // TILE_ROWS)
-    if staged and ntile > 1:
-        raise ValueError(f"the staged form takes at most {TILE_ROWS} token rows, got {rows}")
     assert scale_words_.shape == (n_total, k // group_size) and scale_words_.is_contiguous()
     out = torch.empty(rows, n, device=x.device, dtype=torch.bfloat16)
     res = None

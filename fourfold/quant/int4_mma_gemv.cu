@@ -3,8 +3,7 @@
 //
 // Compile-time settings (-D): WARPS (warps of a block, which split K), MAXQ (most 64-wide K quads a warp
 // takes), GS (16-wide k-steps per quantization group), SPLIT (blocks that split K), GATED, NORM, RES, BIAS, PDL
-// (0/1 each), NTILE (8-token tiles: token rows 8 * tile + g are the mma's columns of tile `tile`; 2 only without
-// STAGE), STAGE (0: a warp's weights wait in registers; 1: they are copied into dynamic shared memory with
+// (0/1 each), NTILE (8-token tiles: token rows 8 * tile + g are the mma's columns of tile `tile`), STAGE (0: a warp's weights wait in registers; 1: they are copied into dynamic shared memory with
 // cp.async, one commit group per quad, and x is read quad by quad: far fewer registers, so many more blocks of a
 // wide weight are resident and keep loads in flight) and MINB (blocks per SM the register budget must allow).
 // SPLIT blocks own one 16-row block of the output (GATED: the gate rows and the matching up rows);
@@ -24,9 +23,6 @@
 #endif
 #ifndef NTILE
 #define NTILE 1
-#endif
-#if NTILE > 1 && STAGE
-#error "the staged form takes one token tile"
 #endif
 
 #define MAXG ((MAXQ * 4 + GS - 1) / GS)
@@ -200,11 +196,14 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
     for (int i = 0; i < MAXQ; ++i) {
         if (i < nq) {
 #if STAGE
-            u32 xq[4][2];
-            load_x_quad(xq, x, stride_x, g, t, m, (q0 + i) * 64);
+            u32 xq[NTILE][4][2];
+#pragma unroll
+            for (int tt = 0; tt < NTILE; ++tt)
+                load_x_quad(xq[tt], x + (size_t)8 * tt * stride_x, stride_x, g, t, m - 8 * tt, (q0 + i) * 64);
 #if NORM
             const uint4* nwp = (const uint4*)(norm_weight + (q0 + i) * 64 + 8 * t);
-            norm_quad(xq, nwp[0], nwp[4], sq[0]);   // nwp[4]: 32 bf16 further
+#pragma unroll
+            for (int tt = 0; tt < NTILE; ++tt) norm_quad(xq[tt], nwp[0], nwp[4], sq[tt]);   // nwp[4]: 32 bf16 further
 #endif
             copy_wait<MAXQ - 1>(MAXQ - 1 - i);
             const uint4 wgi = own[i * (1 + GATED) * 32];
@@ -240,7 +239,7 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
                         }
                     }
 #if STAGE
-                    const u32* b = xq[j];
+                    const u32* b = xq[tt][j];
 #else
                     const u32* b = xb[tt][step];
 #endif

@@ -133,7 +133,7 @@ class Int4WeightLinear(nn.Module):
     def words_fit(self, device: torch.device) -> bool:
         """Whether on `device` every token-row count has a kernel that reads the words: the tensor-core GEMVs at
         1-16 rows (int4_mma, int4_stream: CUDA sm80+, cuda-bindings, bf16 scales and bias, K a multiple of 64, N of
-        16, N within their limits; 1-8 on the staged form) and int4_gemm above (Triton, groups of 64 or more)."""
+        16, N within their limits) and int4_gemm above (Triton, groups of 64 or more)."""
         n, k = self.out_features, self.in_features
         probe = torch.empty(1, k, device=device, dtype=torch.bfloat16) if device.type == "cuda" else None
         return (probe is not None and int4_gemm.available() and self.scheme.group_size % 64 == 0
