@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -27,7 +26,10 @@ from pathlib import Path
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-MODES = {"bf16": {}, "int4, three copies": {"FOURFOLD_INT4_ONE_COPY": "0"}, "int4, one copy": {"FOURFOLD_INT4_ONE_COPY": "1"}}
+from common import run_variant_process  # noqa: E402
+
+MODES = {"bf16": {}, "int4, three copies": {"FOURFOLD_INT4_ONE_COPY": "0"},
+         "int4, one copy": {"FOURFOLD_INT4_ONE_COPY": "1"}}
 CONCURRENCY = (1, 8, 64, 200)
 PROMPT, NEW = 256, 16
 
@@ -94,21 +96,20 @@ def main() -> int:
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--quant", default="int4-g128")
     p.add_argument("--workdir", default="/tmp/fourfold-bench")
-    p.add_argument("--mode", default=None, help=argparse.SUPPRESS)   # the child's
+    p.add_argument("--one", dest="mode", default=None, help=argparse.SUPPRESS)   # the child's
     args = p.parse_args()
     if args.mode is not None:
         child(args)
         return 0
     rows = []
     for mode, env in MODES.items():
-        cmd = [sys.executable, __file__, "--mode", mode, "--preset", args.preset, "--quant", args.quant,
-               "--workdir", args.workdir]
-        run = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=400)
-        found = [json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-        if run.returncode or not found:
-            print(f"{mode}: failed (exit {run.returncode})\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+        row = run_variant_process(__file__, mode, 1, ["--preset", args.preset, "--quant", args.quant,
+                                                      "--workdir", args.workdir],
+                                  timeout=400, extra_env=env)
+        if "error" in row:
+            print(f"{mode}: failed\n{row['error']}")
             return 1
-        rows.append(found[0])
+        rows.append(row)
     gib = 2 ** 30
     lines = [f"{args.preset}, {args.quant}, {rows[0]['device']}, torch {rows[0]['torch']}", "",
              "| engine | KV blocks | model GiB at run time | int4 linears GiB (of bf16) | peak over pool GiB |",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 import types
@@ -26,6 +25,8 @@ from pathlib import Path
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+from common import run_variant_process  # noqa: E402
 
 MODES = {"three copies": {"FOURFOLD_INT4_ONE_COPY": "0"}, "one copy": {"FOURFOLD_INT4_ONE_COPY": "1"}}
 PROMPT, NEW = 128, 256
@@ -118,7 +119,7 @@ def main() -> int:
     p.add_argument("--quant", default="int4-g128")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--workdir", default="/tmp/fourfold-bench-generate")
-    p.add_argument("--mode", default=None, help=argparse.SUPPRESS)   # the child's
+    p.add_argument("--one", dest="mode", default=None, help=argparse.SUPPRESS)   # the child's
     args = p.parse_args()
     if args.mode is not None:
         child(args)
@@ -127,15 +128,15 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode, env in MODES.items():
-        cmd = [sys.executable, __file__, "--mode", mode, "--preset", args.preset, "--quant", args.quant,
-               "--concurrency", str(args.concurrency), "--workdir", args.workdir]
-        run = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=500)
-        found = [json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-        if run.returncode or not found:
-            print(f"{mode}: failed (exit {run.returncode})\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+        child_args = ["--preset", args.preset, "--quant", args.quant, "--concurrency", str(args.concurrency),
+                      "--workdir", args.workdir]
+        row = run_variant_process(__file__, mode, 1, child_args,
+                                  timeout=500, extra_env=env)
+        if "error" in row:
+            print(f"{mode}: failed\n{row['error']}")
             return 1
-        rows.append(found[0])
-        (out / f"kernels_{mode.replace(' ', '_')}.txt").write_text(found[0].pop("summary"))
+        rows.append(row)
+        (out / f"kernels_{mode.replace(' ', '_')}.txt").write_text(row.pop("summary"))
     kinds = sorted({k for r in rows for k in r["groups"]}, key=lambda k: (k.split()[0], int(k.split()[-1])))
     lines = [f"{args.preset}, {args.quant}, {args.concurrency} concurrent requests (prompt {PROMPT}, {NEW} new), "
              f"{rows[0]['device']}, torch {rows[0]['torch']}", "",
