@@ -104,21 +104,13 @@ def kernel_timing(results: list, copies: int = 12) -> None:
         torch.cuda.empty_cache()
 
 
-def gemm_layer(L: dict, x: torch.Tensor, att: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
-    """The fused decoder's layer where its linears run no GEMV: norm, q|k|v, o, add + norm, gate|up, SiLU*mul, down
-    (the next layer's add + norm closes it: counted here)."""
+def unfused_layer(linear, x: torch.Tensor, att: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
+    """The fused decoder's layer where its linears run no GEMV, linear(name, rows) each matmul: norm, q|k|v, o,
+    add + norm, gate|up, SiLU*mul, down (the next layer's add + norm closes it: counted here)."""
     normed, _ = add_rms_norm(x, None, nw, EPS)
-    L["qkv"](normed)
-    normed, h = add_rms_norm(L["o"](att), x, nw, EPS)
-    out = L["down"](silu_mul(L["gate_up"](normed)))
-    return add_rms_norm(out, h, nw, EPS)[1]
-
-
-def bf16_layer(W: dict, x: torch.Tensor, att: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
-    normed, _ = add_rms_norm(x, None, nw, EPS)
-    F.linear(normed, W["qkv"])
-    normed, h = add_rms_norm(F.linear(att, W["o"]), x, nw, EPS)
-    out = F.linear(silu_mul(F.linear(normed, W["gate_up"])), W["down"])
+    linear("qkv", normed)
+    normed, h = add_rms_norm(linear("o", att), x, nw, EPS)
+    out = linear("down", silu_mul(linear("gate_up", normed)))
     return add_rms_norm(out, h, nw, EPS)[1]
 
 
@@ -134,8 +126,9 @@ def layer_timing(results: list, layers: int = 12) -> None:
         row = {"rows": rows,
                "two_tile_gemv": graph_us([lambda L=L: mc.engine_layer(L, x, att, nw) for L in mods]),
                "int4_gemm_path": mc.with_setting(int4_mma, "MAX_ROWS", int4_mma.TILE_ROWS, lambda: graph_us(
-                   [lambda L=L: gemm_layer(L, x, att, nw) for L in mods])),
-               "bf16_cublas_path": graph_us([lambda W=W: bf16_layer(W, x, att, nw) for W in bf16])}
+                   [lambda L=L: unfused_layer(lambda name, v: L[name](v), x, att, nw) for L in mods])),
+               "bf16_cublas_path": graph_us([lambda W=W: unfused_layer(lambda name, v: F.linear(v, W[name]), x, att, nw)
+                                             for W in bf16])}
         results.append(row)
         print(f"layer at {rows} rows: two-tile GEMVs {row['two_tile_gemv']:.2f} us, int4_gemm path "
               f"{row['int4_gemm_path']:.2f} us, bf16 (cuBLAS) {row['bf16_cublas_path']:.2f} us")
