@@ -103,12 +103,33 @@ def test_bad_shapes_and_unsupported_inputs():
                                torch.zeros(32, 112, dtype=torch.int32), 128)
 
 
-def test_two_tile_configs():
+def test_multi_tile_configs():
     # 9-16 token rows: two tiles of x; the gated form then takes 4 warps of at most 4 quads (K over 2 blocks)
-    assert int4_mma.MAX_ROWS == 2 * int4_mma.TILE_ROWS == 16
+    assert int4_mma.MAX_ROWS == int4_mma.MAX_TILES * int4_mma.TILE_ROWS == 32
     assert int4_mma.config(5632, 128, rows=16) == int4_mma.config(5632, 128, rows=8) == (16, 6, 1)
     assert int4_mma.config(2048, 128, rows=12) == (16, 2, 1)
     assert int4_mma.config(2048, 128, True, rows=16) == (4, 4, 2) and int4_mma.config(2048, 128, True) == (8, 4, 1)
+    # 17-32 rows run staged (MANY_TILES_STAGED: llama-1b's down 8 warps of 6 quads over 2 blocks, gate|up 4 of 8);
+    # the register form's fallback takes 2 quads a warp (gated: 4 warps, so that their sums fit)
+    assert int4_mma.use_staged(2048, 5632, 17) and int4_mma.use_staged(2560, 2048, 32)
+    assert int4_mma.staged_config(5632, 128, rows=32) == (8, 6, 2)
+    assert int4_mma.staged_config(2048, 128, True, rows=24) == (4, 8, 1)
+    assert int4_mma.staged_config(2048, 128, True, rows=16) == int4_mma.staged_config(2048, 128, True) == (8, 4, 1)
+    assert int4_mma.config(5632, 128, rows=32) == (16, 2, 3) and int4_mma.config(2048, 128, True, rows=24) == (4, 2, 4)
+
+
+def test_centred_weights_rule_and_reduction_limit(monkeypatch):
+    monkeypatch.setattr(int4_mma, "CENTERED_MODE", "auto")   # one tile: the sum-of-x mma; more: centred weights
+    assert not int4_mma.centered(8) and int4_mma.centered(9) and int4_mma.centered(32)
+    monkeypatch.setattr(int4_mma, "CENTERED_MODE", "0")
+    assert not int4_mma.centered(32)
+    # the warps' sums of a gated, normed launch at 4 tiles: 40 floats a lane, so 16 warps exceed 48 KiB
+    assert int4_mma.reduction_bytes(16, 32, gated=True, norm=True) == 40 * 16 * 32 * 4 > int4_mma.MAX_REDUCTION_BYTES
+    assert int4_mma.reduction_bytes(16, 32, gated=False, norm=True) <= int4_mma.MAX_REDUCTION_BYTES
+    with pytest.raises(ValueError, match="fewer warps"):
+        int4_mma.int4_mma_gemv(torch.zeros(32, 2048, dtype=torch.bfloat16), torch.zeros(16, 32 * 128, dtype=torch.int32),
+                               torch.zeros(256, 16, dtype=torch.int32), 128, gated=True,
+                               norm_weight=torch.ones(2048, dtype=torch.bfloat16), launch_config=(16, 2, 1))
 
 
 def test_staged_configs_and_their_shared_memory():
@@ -137,10 +158,11 @@ def test_staged_rule_follows_the_mode(monkeypatch):
 
 
 @pytest.mark.skipif(not nvrtc_launch.available(), reason="needs cuda-bindings (NVRTC)")
-@pytest.mark.parametrize("split,stage,ntile", [(1, 0, 1), (3, 0, 1), (1, 1, 1), (3, 1, 1), (1, 0, 2), (3, 1, 2)])
-def test_kernel_compiles_for_hopper_without_a_gpu(split, stage, ntile):
-    defines = {"WARPS": 16, "MAXQ": 2, "GS": 8, "SPLIT": split, "GATED": 1, "NORM": 1, "RES": 1, "BIAS": 1, "PDL": 1,
-               "STAGE": stage, "MINB": 2 if stage else 1, "NTILE": ntile}
+@pytest.mark.parametrize("split,stage,ntile,subz", [(1, 0, 1, 0), (3, 0, 1, 0), (1, 1, 1, 0), (3, 1, 1, 0), (1, 0, 2, 0),
+                                                    (3, 1, 2, 1), (1, 0, 1, 1), (3, 0, 4, 1), (1, 1, 3, 1)])
+def test_kernel_compiles_for_hopper_without_a_gpu(split, stage, ntile, subz):
+    defines = {"WARPS": 16 if ntile < 3 else 4, "MAXQ": 2, "GS": 8, "SPLIT": split, "GATED": 1, "NORM": 1, "RES": 1,
+               "BIAS": 1, "PDL": 1, "STAGE": stage, "MINB": 2 if stage else 1, "NTILE": ntile, "SUBZ": subz}
     try:
         cubin = nvrtc_launch.compile_cubin(int4_mma._source(), "int4_mma_gemv", defines, "sm_90")
     except Exception as e:  # noqa: BLE001 - cuda-bindings without the NVRTC library
@@ -149,10 +171,11 @@ def test_kernel_compiles_for_hopper_without_a_gpu(split, stage, ntile):
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and nvrtc_launch.available()), reason="needs CUDA + cuda-bindings")
-@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16])
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16, 20, 32])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("staged", [False, True])
-def test_kernel_matches_the_dequantized_matmul_on_gpu(rows, split, staged):
+@pytest.mark.parametrize("centred", [False, True])
+def test_kernel_matches_the_dequantized_matmul_on_gpu(rows, split, staged, centred):
     torch.manual_seed(2)
     s = scheme_by_name("int4-g128-asym")
     lin = torch.nn.Linear(1024, 256, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -164,5 +187,5 @@ def test_kernel_matches_the_dequantized_matmul_on_gpu(rows, split, staged):
     launch = (int4_mma.staged_config(1024, 128, split=split) if staged
               else int4_mma.config(1024, 128, split=split, rows=rows))
     y = int4_mma.int4_mma_gemv(x, *mod.mma_words(), 128, residual=r, launch_config=launch,
-                               workspace=mod.mma_workspace(split), staged=staged)
+                               workspace=mod.mma_workspace(split), staged=staged, centered_weights=centred)
     assert (y.float() - ref).norm() / ref.norm() < 1e-2

@@ -50,9 +50,25 @@ from fourfold.ops.triton_launch import pdl
 TILE_ROWS = 8
 """Token rows of one tile: the mma's 8 columns."""
 
-MAX_ROWS = TILE_ROWS if os.environ.get("FOURFOLD_INT4_MMA_TWO_TILES") == "0" else 2 * TILE_ROWS
-"""Token rows one call takes: two tiles (NTILE 2 in the kernel). Above, fourfold.quant.int4_gemm.
-FOURFOLD_INT4_MMA_TWO_TILES=0 at import keeps one tile, 8 rows (A/B)."""
+MAX_TILES = int(os.environ.get("FOURFOLD_INT4_MMA_TILES", "4"))
+"""Token tiles one call takes at most (NTILE in the kernel); FOURFOLD_INT4_MMA_TILES=1..4 at import (A/B). Six tiles
+(48 rows) were slower through the engine than four are at 32 (H200, llama-1b: 26,611 against 27,299 tok/s)."""
+if not 1 <= MAX_TILES <= 4:
+    raise ValueError(f"FOURFOLD_INT4_MMA_TILES must be 1 to 4, got {MAX_TILES}")
+
+MAX_ROWS = MAX_TILES * TILE_ROWS
+"""Token rows one call takes. Above, fourfold.quant.int4_gemm."""
+
+CENTERED_MODE = os.environ.get("FOURFOLD_INT4_MMA_CENTERED", "auto")
+"""Whether a launch takes each group's zero point off in the weight operand (SUBZ=1: u - 8 - z, exact in bf16) instead
+of summing x with a second mma and subtracting (136 + z) sum(x) per group: "0", "1", or "auto" (centered)."""
+
+
+def centered(rows: int) -> bool:
+    """Whether a launch of `rows` token rows runs centred weights (CENTERED_MODE)."""
+    if CENTERED_MODE in ("0", "1"):
+        return CENTERED_MODE == "1"
+    return rows > TILE_ROWS
 
 MAX_OUT_FEATURES = 12288
 """At one token row, wider weights (an output head) keep the other kernels: every weight of a block is loaded
@@ -160,6 +176,12 @@ the gate and up weights. H200, llama-1b, a decoder layer's four GEMVs at 9 / 12 
 bytes a thread with two tiles (sm_90, NVRTC) and is still faster in that layer than 4 quads a warp over 6 blocks."""
 
 
+MANY_TILES = (16, 2)
+"""(warps a block, most quads a warp) of the register form at 17-32 token rows (three or four tiles of x a warp, so
+few quads), plain and gated alike (gated: 4 warps, whose sums fit MAX_REDUCTION_BYTES). The staged form is the
+default there (use_staged); this is its fallback under FOURFOLD_INT4_STAGE=0."""
+
+
 def config(k: int, group_size: int, gated: bool = False, warps: int | None = None,
            split: int | None = None, max_quads: int | None = None, rows: int = 1) -> tuple[int, int, int]:
     """(WARPS, MAXQ, SPLIT): warps per block (they split K), the most 64-wide quads one warp takes, and how many
@@ -168,9 +190,10 @@ def config(k: int, group_size: int, gated: bool = False, warps: int | None = Non
     16.7 us at one row and 19.1 at 8 rows, against 17.0 and 20.0 with q|k|v and o at 8. SPLIT by default: the
     fewest blocks that keep a warp's quads at most `max_quads` (MAX_WARP_QUADS), then SPLIT_WARPS warps a block
     unless `warps`. The gated form above TILE_ROWS `rows` takes TWO_TILE_GATED."""
-    two_tile_gated = gated and rows > TILE_ROWS
+    two_tile_gated = gated and TILE_ROWS < rows <= 2 * TILE_ROWS
+    many = ((SPLIT_WARPS if gated else MANY_TILES[0]), MANY_TILES[1]) if rows > 2 * TILE_ROWS else None
     if max_quads is None:
-        max_quads = TWO_TILE_GATED[1] if two_tile_gated else MAX_WARP_QUADS
+        max_quads = many[1] if many else TWO_TILE_GATED[1] if two_tile_gated else MAX_WARP_QUADS
     unit = max(1, group_size // 64)           # quads per group-aligned unit
     units = k // 64 // unit
 
@@ -178,8 +201,8 @@ def config(k: int, group_size: int, gated: bool = False, warps: int | None = Non
         return -(-units // (s * warps)) * unit
 
     if warps is None:
-        warps = TWO_TILE_GATED[0] if two_tile_gated else 8 if gated else 16
-        if split is None and warp_quads(1) > max_quads:
+        warps = many[0] if many else TWO_TILE_GATED[0] if two_tile_gated else 8 if gated else 16
+        if not many and split is None and warp_quads(1) > max_quads:
             warps = SPLIT_WARPS
     if split is None:
         split = 1
@@ -213,27 +236,41 @@ CARVEOUT = int(os.environ["FOURFOLD_INT4_CARVEOUT"]) if os.environ.get("FOURFOLD
 measured gain: the llama3-8b layer at one row, all staged, 64.9 us with P = 100, 60.4-60.8 without)."""
 
 
+MANY_TILES_STAGED = {False: (8, 8), True: (4, 8)}
+"""(warps a block, most quads a warp) of the staged kernel at 17-32 token rows, plain and gated."""
+
+MANY_TILES_GATED_MIN_BLOCKS = 3
+"""MINB of a staged gated launch of 17-32 rows: 3 blocks of 4 warps an SM, so up to 168 registers a thread. With 4
+(128 registers) the gated form with its fused norm spilled 400 bytes a thread at 32 rows (sm_90, NVRTC); H200,
+llama-1b, a decoder layer's four GEMVs at 24 / 32 rows: 29.6 / 35.1 us against 32.5 / 42.7 with 4 (2: 29.6 / 35.6)."""
+
+
 def use_staged(out_features: int, in_features: int, rows: int) -> bool:
-    """Whether a decode launch of `rows` token rows on this weight runs staged (STAGE_MODE)."""
+    """Whether a decode launch of `rows` token rows on this weight runs staged (STAGE_MODE): in "auto", 2-16 rows
+    on a wide weight (STAGE_MIN_DIM) and every launch of 17-32 rows (three or four tiles of x)."""
     if STAGE_MODE in ("0", "1"):
         return STAGE_MODE == "1"
-    return rows > 1 and min(out_features, in_features) >= STAGE_MIN_DIM
+    return rows > 2 * TILE_ROWS or (rows > 1 and min(out_features, in_features) >= STAGE_MIN_DIM)
 
 
-def staged_config(k: int, group_size: int, gated: bool = False, warps: int = STAGE_WARPS,
-                  max_quads: int = STAGE_WARP_QUADS, split: int | None = None) -> tuple[int, int, int]:
+def staged_config(k: int, group_size: int, gated: bool = False, warps: int | None = None,
+                  max_quads: int | None = None, split: int | None = None, rows: int = 1) -> tuple[int, int, int]:
     """(WARPS, MAXQ, SPLIT) of the staged kernel: `warps` a block, K split over the fewest blocks that keep a warp's
-    quads at most `max_quads`."""
-    return config(k, group_size, gated, warps=warps, split=split, max_quads=max_quads)
+    quads at most `max_quads` (defaults: STAGE_WARPS and STAGE_WARP_QUADS, MANY_TILES_STAGED above 16 rows)."""
+    many = MANY_TILES_STAGED[gated] if rows > 2 * TILE_ROWS else (STAGE_WARPS, STAGE_WARP_QUADS)
+    return config(k, group_size, gated, warps=warps or many[0], split=split, max_quads=max_quads or many[1])
 
 
 MAX_SHARED_BYTES = 200 * 1024
 """Dynamic shared memory a staged launch may take (Hopper: 227 KiB a block, less the reduction's static array)."""
 
 
-def min_blocks(warps: int) -> int:
+def min_blocks(warps: int, gated: bool = False, rows: int = 1) -> int:
     """MINB of a staged launch: blocks an SM must fit by registers, 512 threads' worth (so at most 128 registers a
-    thread; shared memory, not registers, then bounds how many blocks are resident)."""
+    thread; shared memory, not registers, then bounds how many blocks are resident); MANY_TILES_GATED_MIN_BLOCKS
+    for the gated form above 16 rows."""
+    if gated and rows > 2 * TILE_ROWS:
+        return MANY_TILES_GATED_MIN_BLOCKS
     return max(1, 16 // warps)
 
 
@@ -242,9 +279,20 @@ def staged_shared_bytes(warps: int, maxq: int, gated: bool) -> int:
     return warps * maxq * (2 if gated else 1) * 512
 
 
-SPLIT_VALUES = 20
+SPLIT_VALUES = 10 * MAX_TILES
 """Float32 sums a lane of a split block stores: the kernel's NRED at most (per token tile gate and up, 4 each, and 2
 squares)."""
+
+
+MAX_REDUCTION_BYTES = 48 * 1024
+"""The kernel's static shared memory for the warps' sums (red[NRED][WARPS][32] floats) may take at most this."""
+
+
+def reduction_bytes(warps: int, rows: int, gated: bool, norm: bool) -> int:
+    """Static shared memory of a launch's cross-warp sums: NVAL sums a lane per token tile (4, gate and up 8, the
+    fused norm's 2 squares more), WARPS warps of 32 lanes."""
+    nval = 4 + 4 * gated + 2 * norm
+    return nval * -(-rows // TILE_ROWS) * warps * 32 * 4
 
 
 def split_workspace(row_blocks: int, split: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,11 +306,13 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
                   bias: torch.Tensor | None = None, gated: bool = False, residual: torch.Tensor | None = None,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-5,
                   launch_config: tuple[int, int, int] | None = None,
-                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None, staged: bool = False) -> torch.Tensor:
+                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None, staged: bool = False,
+                  centered_weights: bool | None = None) -> torch.Tensor:
     """x (.., K) bf16 @ dequant(W).T + bias; `gated`: silu(first half of the rows) * second half; `residual`:
     added (rounded as an eager residual add); `norm_weight`: x RMS-normalised (eps) and scaled by it first.
     A launch whose config splits K across blocks needs `workspace` (split_workspace, made outside graph capture).
-    `staged`: the weights go through shared memory (STAGE=1; launch_config then defaults to staged_config)."""
+    `staged`: the weights go through shared memory (STAGE=1; launch_config then defaults to staged_config).
+    `centered_weights`: SUBZ (None: `centered(rows)`)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:   # the kernel reads x in 16-byte pieces
@@ -281,9 +331,12 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
         assert res.stride(-1) == 1 and res.dtype == torch.bfloat16
     for t in (bias, norm_weight):
         assert t is None or (t.dtype == torch.bfloat16 and t.is_contiguous())
-    warps, maxq, split = launch_config or (staged_config(k, group_size, gated) if staged
+    warps, maxq, split = launch_config or (staged_config(k, group_size, gated, rows=rows) if staged
                                            else config(k, group_size, gated, rows=rows))
     shared = staged_shared_bytes(warps, maxq, gated) if staged else 0
+    if reduction_bytes(warps, rows, gated, norm_weight is not None) > MAX_REDUCTION_BYTES:
+        raise ValueError(f"{warps} warps a block at {rows} token rows need more than {MAX_REDUCTION_BYTES} bytes for "
+                         f"their sums: give fewer warps (int4_mma.config)")
     if shared > MAX_SHARED_BYTES:
         raise ValueError(f"a staged launch of {warps} warps x {maxq} quads needs {shared} bytes of shared memory, more "
                          f"than {MAX_SHARED_BYTES}: give fewer warps or quads a warp (staged_config)")
@@ -297,7 +350,8 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
     use_pdl = pdl(x.device)
     defines = {"WARPS": warps, "MAXQ": maxq, "GS": group_size // 16, "SPLIT": split, "GATED": int(gated),
                "NORM": int(norm_weight is not None), "RES": int(res is not None), "BIAS": int(bias is not None),
-               "PDL": int(use_pdl), "STAGE": int(staged), "MINB": min_blocks(warps) if staged else 1, "NTILE": ntile}
+               "PDL": int(use_pdl), "STAGE": int(staged), "MINB": min_blocks(warps, gated, rows) if staged else 1, "NTILE": ntile,
+               "SUBZ": int(centered(rows) if centered_weights is None else centered_weights)}
     kernel = nvrtc_launch.compiled_kernel(_source(), "int4_mma_gemv", defines, x.device)
     nvrtc_launch.launch(kernel, n // 16 * split, warps * 32,
                         [words, scale_words_, x2, norm_weight, bias, res, out, partial, tickets, rows, k, n, x2.stride(0),

@@ -110,21 +110,63 @@ __device__ __forceinline__ void norm_quad(u32 (*b)[2], uint4 nw_lo, uint4 nw_hi,
     }
 }
 
+// a group's sums of NC chains into tot: scale times (sum (128 + u) x - (136 + z) sum x); scale words: bf16 scale in
+// the high half, 136 + zero point in the low half (rows g and g + 8)
+template <int NC = 2>
 __device__ __forceinline__ void flush_group(float* tot, const float (*acc)[4], const float (*xs)[4], u32 sc_lo,
                                             u32 sc_hi) {
-    // scale words: bf16 scale in the high half, 136 + zero point in the low half (rows g and g + 8)
     const float s0 = __uint_as_float(sc_lo & 0xFFFF0000u), c0 = (float)(sc_lo & 0xFFFFu);
     const float s1 = __uint_as_float(sc_hi & 0xFFFF0000u), c1 = (float)(sc_hi & 0xFFFFu);
     float a[4], x[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        a[e] = acc[0][e] + acc[1][e];
-        x[e] = xs[0][e] + xs[1][e];
+        a[e] = acc[0][e];
+        x[e] = xs[0][e];
+#pragma unroll
+        for (int c = 1; c < NC; ++c) {
+            a[e] += acc[c][e];
+            x[e] += xs[c][e];
+        }
     }
     tot[0] += s0 * (a[0] - c0 * x[0]);
     tot[1] += s0 * (a[1] - c0 * x[1]);
     tot[2] += s1 * (a[2] - c1 * x[2]);
     tot[3] += s1 * (a[3] - c1 * x[3]);
+}
+
+// the A operand of one k-step from the lane's word: registers 0 and 2 hold row g, 1 and 3 row g + 8 (bf16 128 + u)
+__device__ __forceinline__ void weight_fragment(u32* a, u32 w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = nibble_pair(w >> (4 * i));
+}
+
+// 136 + zero point of a scale word as two equal bf16 (exact: at most 151)
+__device__ __forceinline__ u32 offset_pair(u32 sc) {
+    const u32 h = __float_as_uint((float)(sc & 0xFFFFu)) >> 16;
+    return h | (h << 16);
+}
+
+// the fragment's 128 + u minus 136 + z (rows g and g + 8): u - 8 - z, exact in bf16, so the mma sums the
+// centred weights and no sum of x is needed
+__device__ __forceinline__ void center_fragment(u32* a, u32 sc_lo, u32 sc_hi) {
+    const u32 c0 = offset_pair(sc_lo) ^ 0x80008000u, c1 = offset_pair(sc_hi) ^ 0x80008000u;   // negated
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(a[i]) : "r"(a[i]), "r"(ONES), "r"(i & 1 ? c1 : c0));
+    }
+}
+
+// a group's sums of centred weights (center_fragment) from NC chains into tot: scale times the sum
+template <int NC>
+__device__ __forceinline__ void flush_centered(float* tot, const float (*acc)[4], u32 sc_lo, u32 sc_hi) {
+    const float s0 = __uint_as_float(sc_lo & 0xFFFF0000u), s1 = __uint_as_float(sc_hi & 0xFFFF0000u);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        float a = acc[0][e];
+#pragma unroll
+        for (int c = 1; c < NC; ++c) a += acc[c][e];
+        tot[e] += (e < 2 ? s0 : s1) * a;
+    }
 }
 
 // A block's warps add their per-lane sums through shared memory red[value][warp][lane]: each warp stores its NV

@@ -26,6 +26,12 @@
 #ifndef NTILE
 #define NTILE 1
 #endif
+#ifndef SUBZ
+#define SUBZ 0
+#endif
+#ifndef NCHAIN
+#define NCHAIN (NTILE > 1 ? 1 : 2)
+#endif
 
 #define MAXG ((MAXQ * 4 + GS - 1) / GS)
 #define NVAL (4 + 4 * GATED + 2 * NORM)   // sums a lane holds per token tile
@@ -180,10 +186,14 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 #endif
 #endif
 
-    // two chains of mma sums (even and odd k-steps) so consecutive mmas do not wait for each other
-    float tot[NTILE][4], acc[NTILE][2][4], xs[NTILE][2][4];
+    // NCHAIN chains of mma sums (k-step j adds to chain j % NCHAIN) so consecutive mmas do not wait for each other;
+    // with two tiles or more the tiles' sums are independent chains already
+    float tot[NTILE][4], acc[NTILE][NCHAIN][4];
+#if !SUBZ
+    float xs[NTILE][NCHAIN][4];
+#endif
 #if GATED
-    float totu[NTILE][4], accu[NTILE][2][4];
+    float totu[NTILE][4], accu[NTILE][NCHAIN][4];
 #endif
 #pragma unroll
     for (int tt = 0; tt < NTILE; ++tt)
@@ -225,15 +235,32 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int step = i * 4 + j;   // k-step within the warp's range (which starts on a group)
+                const int grp = step / GS;
+                // the A operand once for all token tiles: bf16 128 + u, or with SUBZ u - 8 - z (the group's offset
+                // taken off in the operand, exact: small integers)
+                u32 a[4];
+                weight_fragment(a, wq[j]);
+#if SUBZ
+                center_fragment(a, sg0[grp], sg1[grp]);
+#endif
+#if GATED
+                u32 au[4];
+                weight_fragment(au, uq[j]);
+#if SUBZ
+                center_fragment(au, su0[grp], su1[grp]);
+#endif
+#endif
 #pragma unroll
                 for (int tt = 0; tt < NTILE; ++tt) {
                     if (step % GS == 0) {
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
 #pragma unroll
-                            for (int c = 0; c < 2; ++c) {
+                            for (int c = 0; c < NCHAIN; ++c) {
                                 acc[tt][c][e] = 0.f;
+#if !SUBZ
                                 xs[tt][c][e] = 0.f;
+#endif
 #if GATED
                                 accu[tt][c][e] = 0.f;
 #endif
@@ -245,17 +272,25 @@ int4_mma_gemv(const uint4* __restrict__ words, const u32* __restrict__ scale_wor
 #else
                     const u32* b = xb[tt][step];
 #endif
-                    const u32 w = wq[j];
-                    mma_int4(acc[tt][j & 1], w, b);
-                    mma_bf16(xs[tt][j & 1], ONES, ONES, ONES, ONES, b[0], b[1]);
+                    const int ch = j % NCHAIN;
+                    mma_bf16(acc[tt][ch], a[0], a[1], a[2], a[3], b[0], b[1]);
+#if !SUBZ
+                    mma_bf16(xs[tt][ch], ONES, ONES, ONES, ONES, b[0], b[1]);
+#endif
 #if GATED
-                    const u32 v = uq[j];
-                    mma_int4(accu[tt][j & 1], v, b);
+                    mma_bf16(accu[tt][ch], au[0], au[1], au[2], au[3], b[0], b[1]);
 #endif
                     if ((step + 1) % GS == 0) {
-                        flush_group(tot[tt], acc[tt], xs[tt], sg0[step / GS], sg1[step / GS]);
+#if SUBZ
+                        flush_centered<NCHAIN>(tot[tt], acc[tt], sg0[grp], sg1[grp]);
 #if GATED
-                        flush_group(totu[tt], accu[tt], xs[tt], su0[step / GS], su1[step / GS]);
+                        flush_centered<NCHAIN>(totu[tt], accu[tt], su0[grp], su1[grp]);
+#endif
+#else
+                        flush_group<NCHAIN>(tot[tt], acc[tt], xs[tt], sg0[grp], sg1[grp]);
+#if GATED
+                        flush_group<NCHAIN>(totu[tt], accu[tt], xs[tt], su0[grp], su1[grp]);
+#endif
 #endif
                     }
                 }

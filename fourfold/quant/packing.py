@@ -227,7 +227,7 @@ class Int4WeightLinear(nn.Module):
         triton_row = gated and rows <= gemv.MAX_ROWS and gemv.available() and not staged and not self.holds_words
         if self._uses_mma(x) and not triton_row and (norm_weight is None or norm_weight.dtype == torch.bfloat16):
             words, scale_words = self.mma_words()
-            launch = (int4_mma.staged_config(self.in_features, self.scheme.group_size, gated) if staged
+            launch = (int4_mma.staged_config(self.in_features, self.scheme.group_size, gated, rows=rows) if staged
                       else int4_mma.config(self.in_features, self.scheme.group_size, gated, rows=rows))
             workspace = self.mma_workspace(launch[2]) if launch[2] > 1 else None
             return int4_mma.int4_mma_gemv(x, words, scale_words, self.scheme.group_size, self.bias, gated=gated,
