@@ -114,7 +114,8 @@ def test_multi_tile_configs():
     assert int4_mma.use_staged(2048, 5632, 17) and int4_mma.use_staged(2560, 2048, 32)
     assert int4_mma.staged_config(5632, 128, rows=32) == (8, 6, 2)
     assert int4_mma.staged_config(2048, 128, True, rows=24) == (4, 8, 1)
-    assert int4_mma.staged_config(2048, 128, True, rows=16) == int4_mma.staged_config(2048, 128, True) == (8, 4, 1)
+    assert int4_mma.staged_config(2048, 128, True, rows=8) == int4_mma.staged_config(2048, 128, True) == (8, 4, 1)
+    assert int4_mma.use_staged(2048, 5632, 9) and not int4_mma.use_staged(2048, 5632, 8)
     assert int4_mma.config(5632, 128, rows=32) == (16, 2, 3) and int4_mma.config(2048, 128, True, rows=24) == (4, 2, 4)
 
 

@@ -14,7 +14,7 @@ the runner's `attend.with_rotary`). On CUDA, steps of few tokens (decode) run th
 (fourfold.infer.gemv_gpu), the gate|up one with SiLU*mul in its epilogue; the output head too. Converted
 int4 models (fourfold.quant Int4WeightLinear in every block linear) fuse the same way, their packed nibbles,
 scales and zero points stacked by rows, and run the module's own kernels (the tensor-core GEMV of
-fourfold.quant.int4_mma up to its MAX_ROWS, 16, or fourfold.quant.int4_gemv, with SiLU*mul fused; the W4A16 GEMM
+fourfold.quant.int4_mma up to its MAX_ROWS, 32, or fourfold.quant.int4_gemv, with SiLU*mul fused; the W4A16 GEMM
 above).
 Decode steps of such a model with weight-only int4 linears (no activation quantization) go further: each
 RMSNorm runs inside the GEMV that reads it (its rstd from squares summed in the GEMV's own loop) and each
@@ -40,7 +40,7 @@ from fourfold.infer.step_tensors import StepTensors
 from fourfold.quant.packing import Int4WeightLinear
 
 INT4_FUSED_NORMS = True
-"""Int4 weight-only models at decode (rows where Int4WeightLinear.uses_gemv: 1-16 on int4_mma): norms and residual adds
+"""Int4 weight-only models at decode (rows where Int4WeightLinear.uses_gemv: 1-32 on int4_mma): norms and residual adds
 inside the int4 GEMVs, two kernels a layer fewer (H200, llama-1b batch 1: 0.639 against 0.661-0.674 ms/step;
 bench/results/2026-11-24-h200-int4-v3/). The normed rows are not rounded to the activation dtype before the
 matmuls (the separate kernels round them), so logits differ from the unfused path by about that rounding."""

@@ -1,20 +1,22 @@
-"""Tensor-core int4 weight-only GEMV for decode steps of 1-16 token rows (CUDA C++ via NVRTC, bf16 activations).
+"""Tensor-core int4 weight-only GEMV for decode steps of 1-32 token rows (CUDA C++ via NVRTC, bf16 activations).
 
     words = repack_mma(weight_int4)                      # once per weight: int32 [N/16, K/8 * 16] in fragment order
     sw = scale_words(scales, zero_points)                # once per weight: int32 [N, K/G]
-    y = int4_mma_gemv(x, words, sw, group_size)          # x (M <= 16, K) bf16 -> (M, N)
+    y = int4_mma_gemv(x, words, sw, group_size)          # x (M <= 32, K) bf16 -> (M, N)
     # the fusions of fourfold.quant.int4_gemv: gated=True, residual=r, norm_weight=w (+ eps), bias=b
 
 Why CUDA C++: the weights go through the tensor cores (mma.m16n8k16, bf16 in, float32 sums), which needs the
 weight's 4 bits to land directly in the operand registers: a layout Triton's dot cannot be told about. The
 token rows are the mma's 8 columns, so 8 rows cost about what one does (H200, llama-1b: a layer's four GEMVs
 18.3 us at 8 rows and 15.8 at 1, sums of kernel times), where the Triton GEMV runs a program per row and 2-8 rows
-went to torch's int4 mm. 9-16 rows take two 8-column tiles per weight fragment (NTILE 2; a layer's four GEMVs with
-their fusions 31-34 us against 42 for int4_gemm with separate norm and SiLU*mul kernels, bf16 cuBLAS 45:
-bench/int4_two_tile_check.py). At one row it is 0.1-0.6 us faster a GEMV than the Triton one. Not because of its
+went to torch's int4 mm. 9-32 rows take two to four 8-column tiles per weight fragment (NTILE; llama-1b, a layer's
+four GEMVs with their fusions at 9-16 / 24 / 32 rows 26.7-28.1 / 29.6 / 35.1 us against 41-42 / 56 / 56 for int4_gemm
+with separate norm and SiLU*mul kernels, bf16 cuBLAS 45-47: bench/int4_two_tile_check.py). At one row it is
+0.1-0.6 us faster a GEMV than the Triton one. Not because of its
 ~4x fewer instructions per weight (a first version with them was no faster): what counts at decode is the latency of
 each kernel's chain (wait for the previous kernel, read x, sum, reduce across warps, epilogue), so x is read in
-16-byte pieces, the mma sums run as two independent chains and the residual is read as soon as the wait ends.
+16-byte pieces, the mma sums run as two independent chains (with two tiles or more the tiles' sums are the
+independent chains) and the residual is read as soon as the wait ends.
 
 Layout (`repack_mma`, from the stored uint8 [N, K/2] nibbles of fourfold.quant.packing). The mma sums over
 its 16 k slots in any order, so each lane's slots are mapped to x elements it can load in two 16-byte reads:
@@ -27,13 +29,18 @@ bf16 numbers 128 + u. Words go [block, quad, lane, 4 k-steps], so a lane loads 1
 512 contiguous bytes. With u = q + 8 stored and weight (q - z) * s, a group's contribution is
     s * (sum_k (128 + u_k) x_k - (136 + z) * sum_k x_k),
 the second sum from one more mma with A = ones; `scale_words` packs s (bf16, high half) and 136 + z (low half).
+Centred weights (SUBZ, `centered`: above one tile): each fragment register minus the bf16 pair 136 + z (one bf16x2
+FMA, exact: the results are the integers u - 8 - z), so the mma sums s-free weights times x and the sum-of-x mma
+goes; with several tiles that mma was one per tile, the subtraction is one per fragment. At one row the extra FMA on
+each operand's path costs more than the mma it removes (llama-1b layer 16.7 against 16.4 us).
 RMSNorm fused (`norm_weight`): sum(x^2) from X X^T on the tensor cores, x * w rounded to bf16 (the separate
 norm kernel rounds the normed row too) and rstd applied to the finished sums.
 One block of WARPS warps owns 16 output rows (gated: the gate rows and their up rows), its warps split K in
 group-aligned ranges and sum through shared memory. Weights and scales are loaded before the kernel waits for
 the previous one (programmatic dependent launch on Hopper). Staged form (`staged=True`, STAGE=1; `use_staged`
-picks it for 2-16 rows on a wide model): the weight words go to shared memory by cp.async instead of registers and
-x is read quad by quad, so many more blocks of a wide weight are resident. Needs cuda-bindings (fourfold.ops.nvrtc_launch),
+picks it for 2-8 rows on a wide model and 9-32 rows on any): the weight words go to shared memory by cp.async instead
+of registers and x is read quad by quad, so many more blocks of a wide weight are resident and a warp holds one quad
+of each tile's x, not its whole range. Needs cuda-bindings (fourfold.ops.nvrtc_launch),
 bf16 scales, K a multiple of 64 and N of 16; otherwise callers keep the Triton GEMV.
 """
 
@@ -76,7 +83,7 @@ before its first mma, so a weight of many 16-row blocks runs in many waves (H200
 at one row: a 0.606 against 0.526 ms decode step). The sweep covered up to 11264 rows (llama-1b's gate|up)."""
 
 MAX_OUT_FEATURES_ROWS = 32768
-"""At 2-16 token rows the limit is this: the other kernels there are torch's int4 mm and the W4A16 GEMM, far slower
+"""At 2-32 token rows the limit is this: the other kernels there are torch's int4 mm and the W4A16 GEMM, far slower
 on wide weights (H200, llama3-8b's gate|up, 28672 rows, at 8 rows: 28.5 us here against 157 us;
 bench/int4_mma_check.py --preset llama3-8b)."""
 
@@ -103,7 +110,7 @@ def _source() -> str:
 
 def layout_supports(x: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int) -> bool:
     """Whether x (.., K) and an int4 weight with these scales fit the kernels of this layout (this one and
-    fourfold.quant.int4_stream) on x's device: cuda-bindings, bf16, 1-16 rows, K a multiple of 64, N of 16, sm80+."""
+    fourfold.quant.int4_stream) on x's device: cuda-bindings, bf16, 1-32 rows, K a multiple of 64, N of 16, sm80+."""
     rows = x.numel() // in_features if in_features else 0
     return (ENABLED and nvrtc_launch.available() and x.is_cuda and x.dtype == torch.bfloat16
             and scales.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and in_features % 64 == 0
@@ -169,8 +176,9 @@ needed costs more than it gives (llama-1b: every shape 1-3 us slower split in tw
 
 
 TWO_TILE_GATED = (SPLIT_WARPS, 4)
-"""(warps a block, most quads a warp) of the gated form at 9-16 token rows, where a warp holds two tiles of x besides
-the gate and up weights. H200, llama-1b, a decoder layer's four GEMVs at 9 / 12 / 16 rows in a CUDA graph
+"""(warps a block, most quads a warp) of the gated register form at 9-16 token rows (the staged form is the default
+there since MANY_TILES_FROM; this is its fallback under FOURFOLD_INT4_STAGE=0), where a warp holds two tiles of x
+besides the gate and up weights. H200, llama-1b, a decoder layer's four GEMVs at 9 / 12 / 16 rows in a CUDA graph
 (bench/int4_two_tile_check.py): 31.7 / 32.8 / 33.6 us with gate|up at 4 warps (K over 2 blocks) against 33.8 / 35.1 /
 35.4 at 8 warps of 4 quads. The other forms keep one tile's rule: llama-1b's down at 16 warps of 6 quads spills 224
 bytes a thread with two tiles (sm_90, NVRTC) and is still faster in that layer than 4 quads a warp over 6 blocks."""
@@ -178,8 +186,9 @@ bytes a thread with two tiles (sm_90, NVRTC) and is still faster in that layer t
 
 MANY_TILES = (16, 2)
 """(warps a block, most quads a warp) of the register form at 17-32 token rows (three or four tiles of x a warp, so
-few quads), plain and gated alike (gated: 4 warps, whose sums fit MAX_REDUCTION_BYTES). The staged form is the
-default there (use_staged); this is its fallback under FOURFOLD_INT4_STAGE=0."""
+few quads; gated: SPLIT_WARPS warps, whose sums fit MAX_REDUCTION_BYTES). The staged form is the default there
+(use_staged); this is its fallback under FOURFOLD_INT4_STAGE=0 (llama-1b layer at 24 / 32 rows: 44.7 / 58.8 us
+against 32.4 / 42.8 staged)."""
 
 
 def config(k: int, group_size: int, gated: bool = False, warps: int | None = None,
@@ -218,8 +227,8 @@ STAGE_WARP_QUADS = 8
 """Quads a warp of the staged kernel takes at most (4 KiB of shared memory a warp, 8 KiB gated)."""
 
 STAGE_MODE = os.environ.get("FOURFOLD_INT4_STAGE", "auto")
-"""Which decode launches run staged: "0" none, "1" all, "auto" those of 2-16 token rows on weights whose two
-dimensions are both at least STAGE_MIN_DIM. H200, a decoder layer's four GEMVs in a CUDA graph
+"""Which decode launches run staged: "0" none, "1" all, "auto" those of 2-8 token rows on weights whose two
+dimensions are both at least STAGE_MIN_DIM and every one of MANY_TILES_FROM rows or more. H200, a decoder layer's four GEMVs in a CUDA graph
 (bench/int4_mma_check.py --preset llama3-8b --layers-only, same machine): at 8 rows 82.8 us a layer with the
 register kernels, 65.3 with all four staged, but 71.4 with only gate|up and down staged: a layer that mixes the two
 kinds runs slower than either, so the rule takes every weight of a wide model or none. At one row all staged is
@@ -228,7 +237,7 @@ kinds runs slower than either, so the rule takes every weight of a wide model or
 103.8-106.0 us against 112.3-113.3 on int4_gemm with separate norm kernels (bench/int4_two_tile_check.py)."""
 
 STAGE_MIN_DIM = 4096
-"""Both dimensions of a weight from which "auto" stages launches of 2-16 rows: every decoder weight of a model of
+"""Both dimensions of a weight from which "auto" stages launches of 2-8 rows: every decoder weight of a model of
 width 4096 (llama3-8b), none of llama-1b's (width 2048)."""
 
 CARVEOUT = int(os.environ["FOURFOLD_INT4_CARVEOUT"]) if os.environ.get("FOURFOLD_INT4_CARVEOUT") else None
@@ -236,28 +245,39 @@ CARVEOUT = int(os.environ["FOURFOLD_INT4_CARVEOUT"]) if os.environ.get("FOURFOLD
 measured gain: the llama3-8b layer at one row, all staged, 64.9 us with P = 100, 60.4-60.8 without)."""
 
 
+MANY_TILES_FROM = TILE_ROWS + 1
+"""Token rows from which every launch runs staged with MANY_TILES_STAGED (and the gated form's MINB): two tiles or
+more. H200, a decoder layer's four GEMVs at 9 / 12 / 16 rows (bench/int4_two_tile_check.py): llama-1b 26.7 / 28.1 /
+27.8 us against 29.2 / 31.0 / 31.6 in the register form (TWO_TILE_GATED), llama3-8b at 12 / 16 rows 91.8 / 91.1
+against 94.8 / 95.3 with STAGE_WARPS and STAGE_WARP_QUADS."""
+
 MANY_TILES_STAGED = {False: (8, 8), True: (4, 8)}
-"""(warps a block, most quads a warp) of the staged kernel at 17-32 token rows, plain and gated."""
+"""(warps a block, most quads a warp) of the staged kernel from MANY_TILES_FROM rows, plain and gated. From the
+per-kernel sweep at 32 rows (bench/int4_two_tile_check.py, H200): llama-1b q|k|v 4.9 us (cuBLAS 6.9), gate|up 13.1
+(14.1), down 8.9 at K over 2 blocks (11.9); llama3-8b q|k|v 15.9 (17.4), o 9.2 (14.1), gate|up 51.5 over 2 blocks
+(58.0), down 37.9 over 4 (33.1). o of llama-1b alone is faster in the register form (4.2 against 4.9 us), but the layer
+with it was not (33.1 against 32.4 us at 24 rows)."""
 
 MANY_TILES_GATED_MIN_BLOCKS = 3
-"""MINB of a staged gated launch of 17-32 rows: 3 blocks of 4 warps an SM, so up to 168 registers a thread. With 4
+"""MINB of a staged gated launch from MANY_TILES_FROM rows: 3 blocks of 4 warps an SM, so up to 168 registers a thread. With 4
 (128 registers) the gated form with its fused norm spilled 400 bytes a thread at 32 rows (sm_90, NVRTC); H200,
 llama-1b, a decoder layer's four GEMVs at 24 / 32 rows: 29.6 / 35.1 us against 32.5 / 42.7 with 4 (2: 29.6 / 35.6)."""
 
 
 def use_staged(out_features: int, in_features: int, rows: int) -> bool:
-    """Whether a decode launch of `rows` token rows on this weight runs staged (STAGE_MODE): in "auto", 2-16 rows
-    on a wide weight (STAGE_MIN_DIM) and every launch of 17-32 rows (three or four tiles of x)."""
+    """Whether a decode launch of `rows` token rows on this weight runs staged (STAGE_MODE): in "auto", 2-8 rows
+    on a wide weight (STAGE_MIN_DIM) and every launch of MANY_TILES_FROM rows or more (two to four tiles of x)."""
     if STAGE_MODE in ("0", "1"):
         return STAGE_MODE == "1"
-    return rows > 2 * TILE_ROWS or (rows > 1 and min(out_features, in_features) >= STAGE_MIN_DIM)
+    return rows >= MANY_TILES_FROM or (rows > 1 and min(out_features, in_features) >= STAGE_MIN_DIM)
 
 
 def staged_config(k: int, group_size: int, gated: bool = False, warps: int | None = None,
                   max_quads: int | None = None, split: int | None = None, rows: int = 1) -> tuple[int, int, int]:
     """(WARPS, MAXQ, SPLIT) of the staged kernel: `warps` a block, K split over the fewest blocks that keep a warp's
-    quads at most `max_quads` (defaults: STAGE_WARPS and STAGE_WARP_QUADS, MANY_TILES_STAGED above 16 rows)."""
-    many = MANY_TILES_STAGED[gated] if rows > 2 * TILE_ROWS else (STAGE_WARPS, STAGE_WARP_QUADS)
+    quads at most `max_quads` (defaults: STAGE_WARPS and STAGE_WARP_QUADS, MANY_TILES_STAGED from MANY_TILES_FROM
+    rows)."""
+    many = MANY_TILES_STAGED[gated] if rows >= MANY_TILES_FROM else (STAGE_WARPS, STAGE_WARP_QUADS)
     return config(k, group_size, gated, warps=warps or many[0], split=split, max_quads=max_quads or many[1])
 
 
@@ -268,8 +288,8 @@ MAX_SHARED_BYTES = 200 * 1024
 def min_blocks(warps: int, gated: bool = False, rows: int = 1) -> int:
     """MINB of a staged launch: blocks an SM must fit by registers, 512 threads' worth (so at most 128 registers a
     thread; shared memory, not registers, then bounds how many blocks are resident); MANY_TILES_GATED_MIN_BLOCKS
-    for the gated form above 16 rows."""
-    if gated and rows > 2 * TILE_ROWS:
+    for the gated form from MANY_TILES_FROM rows."""
+    if gated and rows >= MANY_TILES_FROM:
         return MANY_TILES_GATED_MIN_BLOCKS
     return max(1, 16 // warps)
 

@@ -1,10 +1,11 @@
-// Tensor-core int4 weight-only GEMV for decode steps of up to 16 token rows (compiled at run time by NVRTC:
+// Tensor-core int4 weight-only GEMV for decode steps of up to 32 token rows (compiled at run time by NVRTC:
 // fourfold/quant/int4_mma.py, which documents the weight layout and the arithmetic).
 //
 // Compile-time settings (-D): WARPS (warps of a block, which split K), MAXQ (most 64-wide K quads a warp
 // takes), GS (16-wide k-steps per quantization group), SPLIT (blocks that split K), GATED, NORM, RES, BIAS, PDL
 // (0/1 each), NTILE (8-token tiles: token rows 8 * tile + g are the mma's columns of tile `tile`; each weight
-// fragment is used once per tile), STAGE (0: a warp's weights wait in registers; 1: they are copied into dynamic
+// fragment is used once per tile; 1-4), SUBZ (0/1: centred weights, below), NCHAIN (chains of mma sums a tile;
+// default 2 for one tile, 1 for more, whose tiles are independent chains already), STAGE (0: a warp's weights wait in registers; 1: they are copied into dynamic
 // shared memory with cp.async, one commit group per quad, and x is read quad by quad: far fewer registers, so many
 // more blocks of a wide weight are resident and keep loads in flight) and MINB (blocks per SM the register budget
 // must allow).
@@ -14,7 +15,9 @@
 // runs mma.m16n8k16 (bf16 in, float32 sums) over its K range: the A operand is the weight, whose 8 nibbles per
 // lane and k-step sit in one 32-bit word in fragment order, so each bf16x2 register is one LOP3 (nibble u
 // becomes the bf16 128 + u); the B operand is x, token rows as the 8 columns. A second mma with A = ones gives
-// sum(x) per group, which removes the 128 + 8 + zero-point offset when a group's scale is applied.
+// sum(x) per group, which removes the 128 + 8 + zero-point offset when a group's scale is applied; with SUBZ the
+// offset comes off the A registers instead (one bf16x2 FMA each, exact) and that mma goes. The A registers of a
+// k-step are made once and used by every tile.
 // (Compiled after int4_mma_common.cuh's helpers.)
 
 #ifndef STAGE

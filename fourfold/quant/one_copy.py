@@ -16,7 +16,7 @@ GEMV: the Triton one needs the planes) and steps of 17-256 rows run int4_gemm on
 1.802 against 1.665 ms, one more split-K sum kernel a layer; above 64 rows the words are dequantized for cuBLAS).
 End to end: 32,256 against 32,657 tok/s at 64 concurrent sequences, 46,195 against 48,495 at 128
 (bench/int4_steps_gpu.py, bench/results/2026-11-25-h200-int4-two-tiles/steps64/ and steps128/). An earlier run's
-24,678 against 33,155 at 64 did not come back (its two one-copy runs gave 24,678 and 27,450). Steps of 1-16 rows
+24,678 against 33,155 at 64 did not come back (its two one-copy runs gave 24,678 and 27,450). Steps of 1-32 rows
 other than gate|up's one row run the same tensor-core GEMV in both layouts. FOURFOLD_INT4_ONE_COPY=1 at import
 turns it on.
 """

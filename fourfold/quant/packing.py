@@ -26,7 +26,7 @@ stored nibbles (a Triton W4A16 GEMM; above 128 rows a Triton dequantize + cuBLAS
 at a few rows but is 8-12x slower at 256 rows on an H200. Steps of at most int4_gemv.MAX_ROWS token rows
 run fourfold.quant.int4_gemv's Triton GEMV instead, over a copy of the nibbles repacked once into its
 group-plane layout (`planes()`, cached like torch's tiled copy). Where fourfold.quant.int4_mma runs (sm80+,
-cuda-bindings, bf16), steps of 1-16 token rows take its tensor-core GEMV (`mma_words()`; int4_stream for wide
+cuda-bindings, bf16), steps of 1-32 token rows take its tensor-core GEMV (`mma_words()`; int4_stream for wide
 weights at one row) before either.
 The 8da4w module fake-quantizes its input per token (int8, dynamic) before the int4-weight kernel: torch
 has no int8-activation x int4-weight kernel, so this reproduces the numbers, not the int8 speed-up.
@@ -132,7 +132,7 @@ class Int4WeightLinear(nn.Module):
 
     def words_fit(self, device: torch.device) -> bool:
         """Whether on `device` every token-row count has a kernel that reads the words: the tensor-core GEMVs at
-        1-16 rows (int4_mma, int4_stream: CUDA sm80+, cuda-bindings, bf16 scales and bias, K a multiple of 64, N of
+        1-32 rows (int4_mma, int4_stream: CUDA sm80+, cuda-bindings, bf16 scales and bias, K a multiple of 64, N of
         16, N within their limits) and int4_gemm above (Triton, groups of 64 or more)."""
         n, k = self.out_features, self.in_features
         probe = torch.empty(1, k, device=device, dtype=torch.bfloat16) if device.type == "cuda" else None
@@ -207,7 +207,7 @@ class Int4WeightLinear(nn.Module):
 
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether x (.., K) runs a decode GEMV with its fusions: the tensor-core one (fourfold.quant.int4_mma, up
-        to 16 rows where it runs) or the Triton one (CUDA, at most int4_gemv.MAX_ROWS rows), not torch's mm."""
+        to 32 rows where it runs) or the Triton one (CUDA, at most int4_gemv.MAX_ROWS rows), not torch's mm."""
         rows = x.numel() // self.in_features if self.in_features else 0
         return self._uses_mma(x) or self._uses_stream(x) or (gemv.available() and x.is_cuda and 0 < rows <= gemv.MAX_ROWS
                                                              and not self.holds_words)
