@@ -58,9 +58,17 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// the A operand of one k-step from the lane's word: registers 0 and 2 hold row g, 1 and 3 row g + 8 (bf16 128 + u)
+__device__ __forceinline__ void weight_fragment(u32* a, u32 w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = nibble_pair(w >> (4 * i));
+}
+
 // one k-step of a 16-row tile: A from the lane's packed word (its 8 nibbles in fragment order), B = x fragments b
 __device__ __forceinline__ void mma_int4(float* d, u32 w, const u32* b) {
-    mma_bf16(d, nibble_pair(w), nibble_pair(w >> 4), nibble_pair(w >> 8), nibble_pair(w >> 12), b[0], b[1]);
+    u32 a[4];
+    weight_fragment(a, w);
+    mma_bf16(d, a[0], a[1], a[2], a[3], b[0], b[1]);
 }
 
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {   // rounded to nearest, as a bf16 multiply
@@ -132,12 +140,6 @@ __device__ __forceinline__ void flush_group(float* tot, const float (*acc)[4], c
     tot[1] += s0 * (a[1] - c0 * x[1]);
     tot[2] += s1 * (a[2] - c1 * x[2]);
     tot[3] += s1 * (a[3] - c1 * x[3]);
-}
-
-// the A operand of one k-step from the lane's word: registers 0 and 2 hold row g, 1 and 3 row g + 8 (bf16 128 + u)
-__device__ __forceinline__ void weight_fragment(u32* a, u32 w) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = nibble_pair(w >> (4 * i));
 }
 
 // 136 + zero point of a scale word as two equal bf16 (exact: at most 151)

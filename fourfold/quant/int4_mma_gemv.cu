@@ -5,10 +5,10 @@
 // takes), GS (16-wide k-steps per quantization group), SPLIT (blocks that split K), GATED, NORM, RES, BIAS, PDL
 // (0/1 each), NTILE (8-token tiles: token rows 8 * tile + g are the mma's columns of tile `tile`; each weight
 // fragment is used once per tile; 1-4), SUBZ (0/1: centred weights, below), NCHAIN (chains of mma sums a tile;
-// default 2 for one tile, 1 for more, whose tiles are independent chains already), STAGE (0: a warp's weights wait in registers; 1: they are copied into dynamic
-// shared memory with cp.async, one commit group per quad, and x is read quad by quad: far fewer registers, so many
-// more blocks of a wide weight are resident and keep loads in flight) and MINB (blocks per SM the register budget
-// must allow).
+// default 2 for one tile, 1 for more, whose tiles are independent chains already), STAGE (0: a warp's weights wait
+// in registers; 1: they are copied into dynamic shared memory with cp.async, one commit group per quad, and x is read
+// quad by quad: far fewer registers, so many more blocks of a wide weight are resident and keep loads in flight) and
+// MINB (blocks per SM the register budget must allow).
 // SPLIT blocks own one 16-row block of the output (GATED: the gate rows and the matching up rows);
 // with SPLIT > 1 each stores its float32 sums, and the last to finish (a ticket per row block) adds them in split
 // order, so the result does not depend on which finished last, and runs the epilogue. Each warp
