@@ -114,6 +114,16 @@ def run_launch(mod, x: torch.Tensor, cfg: tuple[int, int, int], staged: bool = F
                                   workspace=mod.mma_workspace(cfg[2]), staged=staged, **kw)
 
 
+def launch_error(mod, w: torch.Tensor, n: int, k: int, gated: bool, rows: int, form: str,
+                 launch: tuple[int, int, int], staged: bool) -> float:
+    """Relative error against the float32 reference (reference_case) of one launch config, launched twice: the
+    second launch finds the tickets the first one left at zero."""
+    x, kw, ref = reference_case(w, n, k, gated, rows, form, mod.bias)
+    for _ in range(2):
+        y = run_launch(mod, x, launch, staged, **kw)
+    return rel_err(y, ref)
+
+
 def launch_parity(results: list) -> int:
     """Launch configs the engine does not pick by default, against the float32 reference: K split over 2 and 3
     blocks (a ticket per row block, float32 partials), and the staged kernel (weights through shared memory) at
@@ -130,10 +140,7 @@ def launch_parity(results: list) -> int:
             for rows in (1, 3, 8):
                 for form in (("norm", "bias") if gated else ("residual", "norm", "bias")):
                     mod.bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) if form == "bias" else None
-                    x, kw, ref = reference_case(w, n, k, gated, rows, form, mod.bias)
-                    for repeat in range(2):   # the second launch finds the tickets the first one left at zero
-                        y = run_launch(mod, x, launch, staged, **kw)
-                    err = rel_err(y, ref)
+                    err = launch_error(mod, w, n, k, gated, rows, form, launch, staged)
                     failed += not err < TOL
                     results.append({"scheme": "int4-g128-asym", "shape": shape, "rows": rows, "form": form,
                                     "launch": label, "config": launch, "rel_err": err})

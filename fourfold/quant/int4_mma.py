@@ -228,8 +228,8 @@ STAGE_WARP_QUADS = 8
 
 STAGE_MODE = os.environ.get("FOURFOLD_INT4_STAGE", "auto")
 """Which decode launches run staged: "0" none, "1" all, "auto" those of 2-8 token rows on weights whose two
-dimensions are both at least STAGE_MIN_DIM and every one of MANY_TILES_FROM rows or more. H200, a decoder layer's four GEMVs in a CUDA graph
-(bench/int4_mma_check.py --preset llama3-8b --layers-only, same machine): at 8 rows 82.8 us a layer with the
+dimensions are both at least STAGE_MIN_DIM and every one of MANY_TILES_FROM rows or more. H200, a decoder layer's
+four GEMVs in a CUDA graph (bench/int4_mma_check.py --preset llama3-8b --layers-only, same machine): at 8 rows 82.8 us a layer with the
 register kernels, 65.3 with all four staged, but 71.4 with only gate|up and down staged: a layer that mixes the two
 kinds runs slower than either, so the rule takes every weight of a wide model or none. At one row all staged is
 60.4 against 58.9 (alone the staged kernels win: gate|up 23.3 against 25.2 us), and llama-1b's shapes gain nothing
@@ -259,8 +259,8 @@ per-kernel sweep at 32 rows (bench/int4_two_tile_check.py, H200): llama-1b q|k|v
 with it was not (33.1 against 32.4 us at 24 rows)."""
 
 MANY_TILES_GATED_MIN_BLOCKS = 3
-"""MINB of a staged gated launch from MANY_TILES_FROM rows: 3 blocks of 4 warps an SM, so up to 168 registers a thread. With 4
-(128 registers) the gated form with its fused norm spilled 400 bytes a thread at 32 rows (sm_90, NVRTC); H200,
+"""MINB of a staged gated launch from MANY_TILES_FROM rows: 3 blocks of 4 warps an SM, so up to 168 registers a
+thread. With 4 (128 registers) the gated form with its fused norm spilled 400 bytes a thread at 32 rows (sm_90, NVRTC); H200,
 llama-1b, a decoder layer's four GEMVs at 24 / 32 rows: 29.6 / 35.1 us against 32.5 / 42.7 with 4 (2: 29.6 / 35.6)."""
 
 
@@ -370,7 +370,8 @@ def int4_mma_gemv(x: torch.Tensor, words: torch.Tensor, scale_words_: torch.Tens
     use_pdl = pdl(x.device)
     defines = {"WARPS": warps, "MAXQ": maxq, "GS": group_size // 16, "SPLIT": split, "GATED": int(gated),
                "NORM": int(norm_weight is not None), "RES": int(res is not None), "BIAS": int(bias is not None),
-               "PDL": int(use_pdl), "STAGE": int(staged), "MINB": min_blocks(warps, gated, rows) if staged else 1, "NTILE": ntile,
+               "PDL": int(use_pdl), "STAGE": int(staged), "MINB": min_blocks(warps, gated, rows) if staged else 1,
+               "NTILE": ntile,
                "SUBZ": int(centered(rows) if centered_weights is None else centered_weights)}
     kernel = nvrtc_launch.compiled_kernel(_source(), "int4_mma_gemv", defines, x.device)
     nvrtc_launch.launch(kernel, n // 16 * split, warps * 32,
