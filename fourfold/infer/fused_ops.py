@@ -65,38 +65,45 @@ if triton is not None:
             return (bf16_rounded(a * c) + bf16_rounded(p * s)).to(dt)
         return ((a * c).to(dt).to(tl.float32) + (p * s).to(dt).to(tl.float32)).to(dt)
 
-    @triton.jit
-    def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_ptr, v_ptr,
+    @triton.jit(do_not_specialize=["tokens"])   # one variant for every step size
+    def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_ptr, v_ptr, tokens,
                           stride_qkv, stride_cos, stride_kslot, stride_vslot,
-                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                          PDL: tl.constexpr):
         pdl_signal(PDL)
         pdl_wait(PDL)
-        token, head = tl.program_id(0), tl.program_id(1)  # heads 0..HQ-1 queries, HQ..HQ+HKV-1 keys (+ values)
+        # BLOCK_T tokens of one head: heads 0..HQ-1 queries, HQ..HQ+HKV-1 keys (+ values)
+        block, head = tl.program_id(0), tl.program_id(1)
+        token = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = token < tokens
         half = tl.arange(0, D // 2)
-        pos = tl.load(pos_ptr + token)
-        base = qkv_ptr + token * stride_qkv + head * D
-        x1 = tl.load(base + half)
-        x2 = tl.load(base + D // 2 + half)
+        mask = live[:, None]
+        pos = tl.load(pos_ptr + token, mask=live, other=0)
+        base = qkv_ptr + token[:, None] * stride_qkv + head * D
+        x1 = tl.load(base + half[None, :], mask=mask)
+        x2 = tl.load(base + D // 2 + half[None, :], mask=mask)
         dt = x1.dtype
-        c1 = tl.load(cos_ptr + pos * stride_cos + half).to(dt).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos * stride_cos + D // 2 + half).to(dt).to(tl.float32)
-        s1 = tl.load(sin_ptr + pos * stride_cos + half).to(dt).to(tl.float32)
-        s2 = tl.load(sin_ptr + pos * stride_cos + D // 2 + half).to(dt).to(tl.float32)
+        table = pos[:, None] * stride_cos
+        c1 = tl.load(cos_ptr + table + half[None, :], mask=mask).to(dt).to(tl.float32)
+        c2 = tl.load(cos_ptr + table + D // 2 + half[None, :], mask=mask).to(dt).to(tl.float32)
+        s1 = tl.load(sin_ptr + table + half[None, :], mask=mask).to(dt).to(tl.float32)
+        s2 = tl.load(sin_ptr + table + D // 2 + half[None, :], mask=mask).to(dt).to(tl.float32)
         o1 = rotate_rounded(x1, -x2, c1, s1)
         o2 = rotate_rounded(x2, x1, c2, s2)
         if head < HQ:
-            out = q_out_ptr + (token * HQ + head) * D
-            tl.store(out + half, o1)
-            tl.store(out + D // 2 + half, o2)
+            out = q_out_ptr + (token[:, None] * HQ + head) * D
+            tl.store(out + half[None, :], o1, mask=mask)
+            tl.store(out + D // 2 + half[None, :], o2, mask=mask)
         else:
-            slot = tl.load(slot_ptr + token)
+            slot = tl.load(slot_ptr + token, mask=live, other=0)
             kv_head = head - HQ
-            k_out = k_ptr + slot * stride_kslot + kv_head * D
-            tl.store(k_out + half, o1.to(k_ptr.dtype.element_ty))
-            tl.store(k_out + D // 2 + half, o2.to(k_ptr.dtype.element_ty))
+            k_out = k_ptr + slot[:, None] * stride_kslot + kv_head * D
+            tl.store(k_out + half[None, :], o1.to(k_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_out + D // 2 + half[None, :], o2.to(k_ptr.dtype.element_ty), mask=mask)
             full = tl.arange(0, D)
-            v = tl.load(base + HKV * D + full)
-            tl.store(v_ptr + slot * stride_vslot + kv_head * D + full, v.to(v_ptr.dtype.element_ty))
+            v = tl.load(base + HKV * D + full[None, :], mask=mask)
+            tl.store(v_ptr + slot[:, None] * stride_vslot + kv_head * D + full[None, :],
+                     v.to(v_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, ffn, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -154,11 +161,26 @@ def rotary_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
         return rotate(q)
     assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and flat_k.stride(0) == n_kv_heads * d
     q_out = torch.empty(tokens, n_heads, d, device=qkv.device, dtype=qkv.dtype)
-    _rotary_kv_kernel[(tokens, n_heads + n_kv_heads)](
-        qkv, positions, cos, sin, slot_mapping, q_out, flat_k, flat_v, qkv.stride(0), cos.stride(0),
-        flat_k.stride(0), flat_v.stride(0), HQ=n_heads, HKV=n_kv_heads, D=d, num_warps=1,
-        PDL=pdl(qkv.device), launch_pdl=pdl(qkv.device))
+    block_t = rotary_tokens_per_program(tokens)
+    _rotary_kv_kernel[(triton.cdiv(tokens, block_t), n_heads + n_kv_heads)](
+        qkv, positions, cos, sin, slot_mapping, q_out, flat_k, flat_v, tokens, qkv.stride(0), cos.stride(0),
+        flat_k.stride(0), flat_v.stride(0), HQ=n_heads, HKV=n_kv_heads, D=d, BLOCK_T=block_t,
+        num_warps=ROTARY_WARPS.get(block_t, 4), PDL=pdl(qkv.device), launch_pdl=pdl(qkv.device))
     return q_out
+
+
+ROTARY_TOKENS = ((8, 1), (256, 8), (None, 16))
+"""(at most this many tokens, tokens a rotary program takes), first match. One program per (token, head) launched
+147,000 one-warp programs at a 4096-token prefill step: 178 us a layer on an H200, against 14 us at 16 tokens a
+program (4 warps); 3.1 against 1.5 us at 64 tokens (8 a program); 1.3 us either way at 8 (bench/rotary_check.py,
+bench/results/2026-11-25-h200-mixed-step-graphs/)."""
+ROTARY_WARPS = {1: 1}
+"""Warps of a rotary program by the tokens it takes (4 for counts not listed)."""
+
+
+def rotary_tokens_per_program(tokens: int) -> int:
+    """How many tokens one program of the rotary kernel takes at a step of `tokens` tokens (ROTARY_TOKENS)."""
+    return next(block for most, block in ROTARY_TOKENS if most is None or tokens <= most)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
