@@ -118,3 +118,19 @@ def test_overlapped_steps_give_the_same_tokens_and_stops():
     assert want_steps[0] and not got_steps[0]  # the first step's tokens come with the second step
     assert lagged.blocks.num_used == sync2.blocks.num_used
     assert set(lagged.blocks.hash_to_block) <= set(sync2.blocks.hash_to_block)  # no placeholder was hashed
+
+
+def test_an_eager_step_uploads_every_input_16_byte_aligned():
+    # model_runner.aligned_views lays a CUDA eager step's inputs out as the captured graphs' are: each view starts on
+    # a 16-byte boundary, whatever the step's sizes, and holds its part's values.
+    import numpy as np
+
+    from fourfold.infer.model_runner import aligned_views
+
+    for dtype in (np.int64, np.int32):
+        for sizes in ([3, 3, 3, 1], [5, 1, 7], [(3, 5), 3, 4]):
+            parts = [np.arange(np.prod(n), dtype=dtype).reshape(n) + 100 * i for i, n in enumerate(sizes)]
+            views, data = aligned_views(parts, dtype, torch.from_numpy)
+            for p, v in zip(parts, views):
+                assert v.shape == p.shape and torch.equal(v, torch.from_numpy(p))
+                assert (v.data_ptr() - data.data_ptr()) % 16 == 0

@@ -45,6 +45,11 @@ def _parser() -> ArgumentParser:
     engine.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="fraction of GPU memory for the model and KV cache")
     engine.add_argument("--kv-cache-bytes", type=int, default=None, help="KV-cache size on CPU")
+    engine.add_argument("--prefill-graph-tokens", type=int, default=None,
+                        help="largest step with prefill tokens replayed from a CUDA graph (0: none)")
+    engine.add_argument("--prefill-graph-seqs", type=int, default=None,
+                        help="most sequences a step with prefill tokens replayed from a CUDA graph may hold "
+                             "(default: --max-num-seqs; 1: steps that mix prefill and decode run eagerly)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     engine.add_argument("--no-chunked-prefill", action="store_true",
                         help="prefill whole prompts in steps of their own (the classic baseline)")
@@ -61,7 +66,8 @@ def engine_config(a):
 
     flags = {"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
              "block_size": a.block_size, "gpu_memory_utilization": a.gpu_memory_utilization,
-             "kv_cache_bytes": a.kv_cache_bytes}
+             "kv_cache_bytes": a.kv_cache_bytes, "prefill_graph_seqs": a.prefill_graph_seqs,
+             "prefill_graph_tokens": a.prefill_graph_tokens}
     cfg = EngineConfig(**{k: v for k, v in flags.items() if v is not None},
                        enable_prefix_caching=not a.no_prefix_caching,
                        enable_chunked_prefill=not a.no_chunked_prefill,

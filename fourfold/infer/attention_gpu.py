@@ -74,7 +74,8 @@ if triton is not None:
 
     from fourfold.ops.triton_launch import pdl_signal, pdl_wait
 
-    @triton.jit
+    # the block tables' width differs from step to step; a variant per width % 16 would be compiled mid-serving
+    @triton.jit(do_not_specialize=["max_blocks", "stride_bt"])
     def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
                        tile_seq_ptr, tile_first_ptr, scale, max_blocks,
                        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,

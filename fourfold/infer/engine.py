@@ -132,7 +132,8 @@ class LLMEngine:
             runner = ModelRunner(model, pool, device, fuse=None if cfg.fused_decoder else False)
         if cfg.cuda_graphs:
             runner.capture_decode_graphs(cfg.max_num_seqs, max_len)
-            runner.capture_prefill_graphs(min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens), max_len)
+            runner.capture_prefill_graphs(min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens), max_len,
+                                          min(cfg.prefill_graph_seqs or cfg.max_num_seqs, cfg.max_num_seqs))
         engine = cls(runner, tokenizer, cfg, max_len, **kwargs)
         if cfg.freeze_gc and device.type == "cuda":
             gc_freeze.freeze()

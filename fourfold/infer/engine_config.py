@@ -39,8 +39,12 @@ class EngineConfig:
     cuda_graphs: bool = setting(True)
     """On CUDA (with Triton): replay decode steps from CUDA graphs captured at padded batch sizes."""
     prefill_graph_tokens: int = setting(512, ge=0)
-    """With cuda_graphs, one-process models: steps of one sequence and at most this many tokens (a prompt alone, or
-    a chunk of one) replay CUDA graphs too, captured at padded token counts (fourfold.infer.prefill_graphs); 0: none."""
+    """With cuda_graphs, one-process models: steps with prefill tokens and at most this many tokens (a prompt or a
+    chunk of one, alone or beside other sequences' decode tokens and chunks) replay CUDA graphs too, captured at
+    padded token counts (fourfold.infer.prefill_graphs); 0: none."""
+    prefill_graph_seqs: int = setting(0, ge=0)
+    """Most sequences a step replayed from a prefill graph may hold (0: max_num_seqs; 1: a prompt or a chunk alone,
+    so steps that mix one with decodes run eagerly)."""
     fused_decoder: bool = setting(True)
     """Run whole models with fused q|k|v and gate|up weights: fused Triton kernels on CUDA, the packed CPU step (cpu_decoder) on CPU."""
     overlap_steps: bool = setting(True)

@@ -4,7 +4,7 @@
     logits = runner.forward(st)           # (sequences that sample, vocab), float32
     ids = runner.forward_greedy(st)       # decode steps a CUDA graph replays: greedy ids, argmax in the graph
 
-On CUDA, decode steps and one-sequence prefill steps replay CUDA graphs (fourfold.infer.cuda_graphs,
+On CUDA, decode steps and steps with prefill tokens replay CUDA graphs (fourfold.infer.cuda_graphs,
 fourfold.infer.prefill_graphs) where their sizes allow.
 
 The model runs once per step on all scheduled tokens flattened into one row, tokens (1, T) and
@@ -43,6 +43,24 @@ DOWNLOAD_RING = 4
 """Pinned host buffers that sampled ids are read back through (a step's ids are read before 4 more launch)."""
 
 
+def aligned_views(parts: list[np.ndarray], dtype, upload) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`parts` (numpy arrays of one dtype) uploaded together by `upload(values)` as one tensor, each part starting at
+    a multiple of 16 bytes; the parts' views of it (same shapes) and the tensor.
+
+    An eager step's kernels then see every input pointer 16-byte aligned, as the captured graphs' inputs are, so
+    Triton compiles no variant for misaligned pointers that a step of some odd size would otherwise meet first in
+    the middle of serving."""
+    per = 16 // np.dtype(dtype).itemsize
+    sizes = [p.size for p in parts]
+    padded = [-(-n // per) * per for n in sizes]
+    flat = np.zeros(sum(padded), dtype=dtype)
+    offsets = np.cumsum([0] + padded[:-1])
+    for p, at, n in zip(parts, offsets, sizes):
+        flat[at:at + n] = p.ravel()
+    data = upload(flat)
+    return [data[at:at + n].view(p.shape) for p, at, n in zip(parts, offsets, sizes)], data
+
+
 def full_logits(logits: torch.Tensor) -> torch.Tensor:
     """Logits as a plain tensor with the whole vocabulary (tensor parallel leaves them vocab-sharded)."""
     if hasattr(logits, "full_tensor"):
@@ -77,11 +95,13 @@ class ModelRunner:
         self.graphs = DecodeGraphs(max_batch=max_batch, **self._graph_settings(max_model_len))
         self.graphs.capture()
 
-    def capture_prefill_graphs(self, max_tokens: int, max_model_len: int) -> None:
-        """On CUDA with the fused decoder: capture one-sequence steps of up to `max_tokens` tokens (padded sizes)."""
+    def capture_prefill_graphs(self, max_tokens: int, max_model_len: int, max_seqs: int = 1) -> None:
+        """On CUDA with the fused decoder: capture steps with prefill tokens, of up to `max_tokens` tokens (padded
+        sizes) and `max_seqs` sequences."""
         if self.device.type != "cuda" or self.fused is None or max_tokens <= 0:
             return
-        self.prefill_graphs = PrefillGraphs(max_tokens=max_tokens, **self._graph_settings(max_model_len))
+        self.prefill_graphs = PrefillGraphs(max_tokens=max_tokens, max_seqs=max_seqs,
+                                            **self._graph_settings(max_model_len))
         self.prefill_graphs.capture()
 
     def _graph_settings(self, max_model_len: int) -> dict:
@@ -103,11 +123,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             return StepTensors(*(torch.from_numpy(a) for a in arrays))
         tokens, positions, slots, tables, lens, starts, logits_for = arrays
-        t, s, r, w = len(tokens), len(lens), len(logits_for), tables.shape[1]
-        wide = self.upload(np.concatenate([tokens, positions, slots, logits_for]), torch.long)
-        narrow = self.upload(np.concatenate([tables.ravel(), lens, starts]), torch.int32)
-        return StepTensors(wide[:t], wide[t:2 * t], wide[2 * t:3 * t], narrow[:s * w].view(s, w),
-                           narrow[s * w:s * w + s], narrow[s * w + s:], wide[3 * t:3 * t + r])
+        (tokens, positions, slots, logits_for), wide = aligned_views(
+            [tokens, positions, slots, logits_for], np.int64, lambda values: self.upload(values, torch.long))
+        (tables, lens, starts), _ = aligned_views(
+            [tables, lens, starts], np.int32, lambda values: self.upload(values, torch.int32))
+        return StepTensors(tokens, positions, slots, tables, lens, starts, logits_for)
 
     def upload(self, values: list[int] | np.ndarray, dtype: torch.dtype,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,7 +231,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, st: StepTensors) -> torch.Tensor:
-        """Logits of the sampling sequences in float32 (captured graphs replay decode and one-sequence prefill steps)."""
+        """Logits of the sampling sequences in float32 (captured graphs replay decode steps and steps with prefill
+        tokens)."""
         if self.graphs is not None and self.graphs.can_run(st):
             return self.graphs.run(st).float()
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(st):

@@ -15,6 +15,7 @@ from fourfold.cli import main  # noqa: E402
     (["--port", "70000"], "--port 70000 is not a port"),
     (["--max-requests", "0"], "--max-requests"),
     (["--block-size", "many"], "invalid int value"),
+    (["--prefill-graph-seqs", "-1"], "--prefill-graph-seqs -1 is out of range"),
 ])
 def test_bad_serve_flags_exit_2_with_a_message(model_dir, capsys, flags, words):
     assert main(["serve", "--model", str(model_dir), *flags]) == 2
