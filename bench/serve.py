@@ -134,6 +134,9 @@ def servers(args, hf_dir: Path, ff_dir: Path) -> list[tuple[str, list[str], str]
     out = []
     if "chunked" in wanted:
         out.append(("fourfold chunked prefill", [*ff, "--max-num-batched-tokens", str(args.chunk)], "bench"))
+    if "chunked-mixed-eager" in wanted:   # as before mixed steps had graphs of their own
+        out.append(("fourfold chunked prefill, mixed steps eager",
+                    [*ff, "--max-num-batched-tokens", str(args.chunk), "--prefill-graph-seqs", "1"], "bench"))
     if "no-chunking" in wanted:
         out.append(("fourfold no chunking", [*ff, "--no-chunked-prefill"], "bench"))
     if args.peer:
@@ -188,7 +191,8 @@ def main() -> int:
     ap.add_argument("--model-root", default=None,
                     help="where model-hf/ and model-fourfold/ are built or reused (default: --out)")
     ap.add_argument("--servers", default="chunked,no-chunking",
-                    help="which fourfold servers to measure: chunked, no-chunking (the peer follows --peer)")
+                    help="which fourfold servers to measure: chunked, chunked-mixed-eager (steps that mix prefill "
+                         "and decode run without graphs), no-chunking (the peer follows --peer)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
