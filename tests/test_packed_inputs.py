@@ -33,7 +33,7 @@ def test_decode_and_prefill_host_bytes_overwrite_every_byte(monkeypatch):
     decode_step = (i64(5, 6), i64(3, 9), i64(13, 38), np.array([[3, 3, 3], [8, 8, 8]], dtype=np.int32),
                    np.array([4, 10], dtype=np.int32))
     prefill_step = (i64(1, 2, 3), i64(4, 5, 6), i64(17, 18, 19), np.array([[4, 5]], dtype=np.int32),
-                    np.array([7], dtype=np.int32), i64(2))
+                    np.array([7], dtype=np.int32), np.array([0, 3], dtype=np.int32), i64(2))
     results = []
     for fill in (0, 0xAB, 0xFF):
         stale_host_arrays(monkeypatch, fill)
@@ -43,3 +43,8 @@ def test_decode_and_prefill_host_bytes_overwrite_every_byte(monkeypatch):
     wide, narrow = decode.packed.host_views(results[0][0])
     assert wide.tolist() == [5, 6, 0, 0, 3, 9, 0, 0, 13, 38, 36, 36]  # padded rows: token 0, scratch slot 9 * 4
     assert narrow[:12].tolist() == [3, 3, 3, 9, 9, 9, 8, 8, 8, 9, 9, 9] and narrow[-4:].tolist() == [4, 10, 1, 1]
+    wide, narrow = prefill.packed.host_views(np.concatenate(
+        [results[0][1], np.zeros(prefill.packed.nbytes - len(results[0][1]), np.uint8)]))
+    assert wide[:8].tolist() == [1, 2, 3, 0, 0, 0, 0, 0] and wide[24] == 2   # tokens, then the sampled row
+    assert narrow[:2].tolist() == [7, 5] and narrow[2:5].tolist() == [0, 3, 8]   # lengths, query starts (2 slots)
+    assert narrow[5:17].tolist() == [4, 5, 9, 9, 9, 9] + [9] * 6   # the step's table row, the padding sequence's

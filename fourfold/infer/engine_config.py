@@ -38,7 +38,7 @@ class EngineConfig:
     scheduling, whole prompts in steps of their own (the classic baseline)."""
     cuda_graphs: bool = setting(True)
     """On CUDA (with Triton): replay decode steps from CUDA graphs captured at padded batch sizes."""
-    prefill_graph_tokens: int = setting(512, ge=0)
+    prefill_graph_tokens: int = setting(2048, ge=0)
     """With cuda_graphs, one-process models: steps with prefill tokens and at most this many tokens (a prompt or a
     chunk of one, alone or beside other sequences' decode tokens and chunks) replay CUDA graphs too, captured at
     padded token counts (fourfold.infer.prefill_graphs); 0: none."""

@@ -9,7 +9,7 @@ bench/int4_steps_gpu.py). Every shape of such a step depends only on its token c
 padded to a fixed number, so it is captured once per size in `token_sizes` and replayed; a step of T tokens runs
 the smallest captured size P >= T:
 
-    graphs = PrefillGraphs(forward, max_tokens=512, max_blocks=max_model_len // block_size, block_size=16,
+    graphs = PrefillGraphs(forward, max_tokens=2048, max_blocks=max_model_len // block_size, block_size=16,
                            scratch_block=pool.scratch_block, device=torch.device("cuda"), max_seqs=256)
     graphs.capture()
     staged = graphs.stage(host_arrays, runner.upload)   # or graphs.run(st) on a step already on the device
