@@ -15,8 +15,9 @@
    decoder's (through the engine's runner) against the model in float32; max abs error and argmax
    agreement with float32 for each. Equal-sized errors mean the fused path is as exact as the eager one
    and the greedy differences of 2. are bf16 rounding, not a bug. The same for the last prompt token run as a
-   decode step in the captured decode graphs (batch 1 and all prompts), and for each prompt alone in a step
-   replayed from a prefill graph (fourfold.infer.prefill_graphs).
+   decode step in the captured decode graphs (batch 1 and all prompts), for each prompt alone in a step
+   replayed from a prefill graph (fourfold.infer.prefill_graphs), and for a step replayed from a prefill graph
+   that holds the first prompt whole beside every other prompt's last token (a mixed step).
 Writes parity.json and parity.md to --out.
 """
 
@@ -103,6 +104,9 @@ def logits_check(model, prompts: list[list[int]]) -> dict:
     out["prefill_graph"] = {"max_abs_err_vs_fp32": (got - ref).abs().max().item(),
                             "argmax_equal_fp32": int((got.argmax(-1) == ref.argmax(-1)).sum()), "of": len(prompts),
                             "vs_fused_eager_max_abs": (got - fused).abs().max().item()}
+    got = mixed_graph_logits(model, prompts)  # the first prompt whole beside the others' last tokens: a mixed step
+    out["mixed_graph"] = {"max_abs_err_vs_fp32": (got - ref).abs().max().item(),
+                          "argmax_equal_fp32": int((got.argmax(-1) == ref.argmax(-1)).sum()), "of": len(prompts)}
     for batch in sorted({1, len(prompts)}):  # the last prompt token as a decode step through the captured graphs
         got = decode_step_logits(model, prompts[:batch])
         out[f"decode_graph_b{batch}"] = {"max_abs_err_vs_fp32": (got - ref[:batch]).abs().max().item(),
@@ -128,6 +132,28 @@ def prefill_graph_logits(model, prompts: list[list[int]]) -> torch.Tensor:
         assert runner.prefill_graphs is not None and runner.prefill_graphs.holds(st), "the step took no prefill graph"
         rows.append(runner.forward(st).float().clone())
     return torch.cat(rows)
+
+
+def mixed_graph_logits(model, prompts: list[list[int]]) -> torch.Tensor:
+    """Logits of each prompt's last token from one step that holds the first prompt whole and every other prompt's
+    last token (its earlier tokens prefilled in a step before), replayed from a prefill graph with room for all of
+    them (fourfold.infer.prefill_graphs: the continuous-batching step of a request arriving while others decode)."""
+    cfg, dev = model.cfg, next(model.parameters()).device
+    bs = 16
+    per_seq = -(-len(prompts[0]) // bs)
+    pool = KVPool(cfg.n_layers, per_seq * len(prompts) + 1, bs, cfg.n_kv_heads, cfg.head_dim, torch.bfloat16, dev)
+    runner = ModelRunner(model, pool, dev, fuse=True)
+    runner.capture_prefill_graphs(len(prompts[0]) + len(prompts) - 1, per_seq * bs, max_seqs=len(prompts))
+    seqs = [Sequence(str(i), p, SamplingParams(max_tokens=1), i) for i, p in enumerate(prompts)]
+    for i, s in enumerate(seqs):
+        s.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+    if len(seqs) > 1:
+        runner.forward(runner.prepare([ScheduledChunk(s, len(s.prompt_ids) - 1) for s in seqs[1:]]))
+        for s in seqs[1:]:
+            s.num_computed = len(s.prompt_ids) - 1
+    st = runner.prepare([ScheduledChunk(seqs[0], len(prompts[0]))] + [ScheduledChunk(s, 1) for s in seqs[1:]])
+    assert runner.prefill_graphs is not None and runner.prefill_graphs.holds(st), "the mixed step took no graph"
+    return runner.forward(st).float().clone()
 
 
 def decode_step_logits(model, prompts: list[list[int]]) -> torch.Tensor:

@@ -192,6 +192,8 @@ def build_llm(args, quant: str | None = None, **config):
     from fourfold.infer.llm import LLM
 
     t0 = time.perf_counter()
+    if getattr(args, "prefill_graph_tokens", None) is not None:
+        config.setdefault("prefill_graph_tokens", args.prefill_graph_tokens)
     llm = LLM(model_dir(args, quant), device=args.device, dtype=torch.bfloat16, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_batched_tokens, **config)
     say(f"PROGRESS engine ready in {time.perf_counter() - t0:.1f}s")
@@ -490,6 +492,8 @@ def main() -> int:
     ap.add_argument("--hf-cb-attn", default="paged|sdpa")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None,
+                    help="fourfold: EngineConfig.prefill_graph_tokens (default: the engine's; 0: no prefill graphs)")
     ap.add_argument("--graphs", choices=["auto", "off"], default="auto")
     ap.add_argument("--compile-decode", action="store_true", help="torch.compile the decode forward before capture")
     ap.add_argument("--profile", action="store_true", help="write a per-kernel summary of decode steps")

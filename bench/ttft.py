@@ -1,6 +1,7 @@
 """Time to first token at one sequence: fourfold's engine with and without prefill graphs, and Hugging Face.
 
     python bench/ttft.py --out DIR [--prompt-lens 16,128,512,1024] [--repeats 7] [--quant int4-g128]
+                         [--prefill-graph-tokens N]
 
 Models: the `llama-1b` preset with random weights in bf16, and the same model converted by fourfold.quant
 (bench/generate.py's checkpoints). For each prompt length, `--repeats` different random prompts, one request at
@@ -52,7 +53,7 @@ def first_token(engine, prompt: list[int]) -> tuple[float, float, int]:
 
 
 def fourfold_rows(args, quant: str | None, vocab: int) -> list[dict]:
-    llm = gen.build_llm(args, quant)
+    llm = gen.build_llm(args, quant)   # args.prefill_graph_tokens: the engine's setting when given
     engine, runner = llm.engine, llm.engine.runner
     graphs = runner.prefill_graphs
     gen.say(f"PROGRESS prefill graphs at {graphs.sizes if graphs else None}")
@@ -131,13 +132,15 @@ def main() -> int:
     ap.add_argument("--quant", default="int4-g128", help="scheme of the converted model ('' for bf16 only)")
     ap.add_argument("--preset", default="llama-1b")
     ap.add_argument("--workdir", default="/tmp/fourfold-bench-generate")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None,
+                    help="EngineConfig.prefill_graph_tokens (default: the engine's)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
     args = argparse.Namespace(workdir=a.workdir, preset=a.preset, device="cuda", max_num_seqs=256,
                               max_batched_tokens=4096, prompt_lens=[int(n) for n in a.prompt_lens.split(",")],
-                              repeats=a.repeats)
+                              repeats=a.repeats, prefill_graph_tokens=a.prefill_graph_tokens)
     vocab = gen.preset_vocab(args)
     rows = []
     for quant in [None] + ([a.quant] if a.quant else []):
