@@ -12,7 +12,8 @@ diff and relative error printed; whether they are bit-equal too is reported, not
 equal to the first, outputs and partials poisoned (NaN) before each run. 2. Timing: `--layers` back-to-back
 calls, each layer with its own pool and q|k|v rows as in a decode step, captured in one CUDA graph per path
 and replayed 30 times; median us per layer, old / new ratio; after the replays the graph's outputs are
-checked against an eager run. 3. `--sweep`: the new path at forced split counts 1..32 (batch 1, 4, 16).
+checked against an eager run. 3. `--sweep`: the new path at forced split counts 1..32 (batch 1, 4, 16);
+`--sweep-three`: the three-kernel path at forced split counts 1..16 (batch 16..128); `--skip-checks`: sweeps only.
 Writes decode_attention_check.json; prints a table. Exit code 1 if a check fails.
 """
 
@@ -174,12 +175,41 @@ def sweep(results: list, width: int, n_layers: int, cos, sin) -> None:
             torch.cuda.empty_cache()
 
 
+def sweep_three_kernels(results: list, width: int, n_layers: int, cos, sin) -> None:
+    """The three-kernel path (the engine's above decode_attention_gpu.MAX_TOKENS sequences) at forced split counts,
+    batches 16-128: attention_gpu.decode_splits is replaced for the capture."""
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    chosen = attention_gpu.decode_splits
+    try:
+        for batch in (16, 32, 64, 128):
+            for context in [c for c in (256, 512, 1024, 2048) if c <= width * BS]:
+                step = Step(batch, context, width, gen)
+                layers = [Layer(step, gen) for _ in range(n_layers)]
+                found = []
+                for splits in (1, 2, 4, 8, 16):
+                    attention_gpu.decode_splits = lambda programs, max_kv, s=splits: s
+                    us, _ = graph_run([lambda la=la: old_step(la, cos, sin) for la in layers])
+                    found.append((us, splits))
+                attention_gpu.decode_splits = chosen
+                results.append({"path": "three kernels", "batch": batch, "context": context,
+                                "us_by_splits": {s: u for u, s in found}, "default": splits_of(batch, width)})
+                print(f"three-kernel sweep batch {batch} context {context} (default {splits_of(batch, width)}): "
+                      + ", ".join(f"{s}: {u:.2f}us" for u, s in found))
+                del layers
+                torch.cuda.empty_cache()
+    finally:
+        attention_gpu.decode_splits = chosen
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/decode-attention-check")
     p.add_argument("--layers", type=int, default=22, help="layer calls per captured graph (llama-1b: 22)")
     p.add_argument("--max-model-len", type=int, default=2048, help="block-table width x 16, as the engine's graphs")
     p.add_argument("--sweep", action="store_true", help="time forced split counts too")
+    p.add_argument("--sweep-three", action="store_true",
+                   help="time the three-kernel path at forced split counts, batches 16-128")
+    p.add_argument("--skip-checks", action="store_true", help="no parity checks or default timings (sweeps only)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -189,11 +219,15 @@ def main() -> int:
     width = -(-a.max_model_len // BS)
     cos, sin = rope(a.max_model_len)
     parity, timing, sweeps = [], [], []
-    failed = check_parity(parity, width, cos, sin)
-    print(f"{len(parity) - failed}/{len(parity)} parity checks passed ({time.time() - start:.0f}s)")
-    failed += time_cases(timing, width, a.layers, cos, sin)
+    failed = 0
+    if not a.skip_checks:
+        failed = check_parity(parity, width, cos, sin)
+        print(f"{len(parity) - failed}/{len(parity)} parity checks passed ({time.time() - start:.0f}s)")
+        failed += time_cases(timing, width, a.layers, cos, sin)
     if a.sweep:
         sweep(sweeps, width, a.layers, cos, sin)
+    if a.sweep_three:
+        sweep_three_kernels(sweeps, width, a.layers, cos, sin)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_attention_check.json").write_text(json.dumps(
