@@ -4,14 +4,15 @@
                                    [--modes "three copies,one copy"]   # or e.g. "bf16,three copies"
 
 For each mode (`MODES`: bf16 runs the unconverted checkpoint; "three copies" / "one copy" the converted one with
-FOURFOLD_INT4_ONE_COPY=0 / =1; "mixed eager" without graphs for steps that mix prefill and decode; a process each, on bench/generate.py's random-weight checkpoints and engine
-settings: 256 sequences, 4096-token steps) runs `--concurrency` greedy requests (prompt 128, 256 new tokens) to the
-end after a warm-up, and records for every engine step the token rows it ran (prefill and decode) and the GPU time
-of its model forward (CUDA events around the runner's forward, synchronised per step, so no step overlaps the next
-here). Steps are grouped by kind (decode at r rows; a step with prefill tokens, by its row count rounded to 512)
-with count, mean and total ms. Then two torch.profiler kernel summaries (bench/generate.py's kernel_summary): five
-steady decode steps at the same concurrency, and a fresh batch's first steps up to its first all-decode step (its
-prefill). Writes int4_steps.json, int4_steps.md and the kernel summaries (kernels_MODE.txt, prefill_MODE.txt).
+FOURFOLD_INT4_ONE_COPY=0 / =1; "mixed eager" without graphs for steps that mix prefill and decode; a process each,
+on bench/generate.py's random-weight checkpoints and engine settings: 256 sequences, 4096-token steps) runs
+`--concurrency` greedy requests (prompt 128, 256 new tokens) to the end after a warm-up, and records for every
+engine step the token rows it ran (prefill and decode) and the GPU time of its model forward (CUDA events around
+the runner's forward, synchronised per step, so no step overlaps the next here). Steps are grouped by kind
+(decode at r rows; a step with prefill tokens, by its row count rounded to 512) with count, mean and total ms, and
+the steps with prefill tokens are listed in order. Then two torch.profiler kernel summaries (bench/generate.py's
+kernel_summary): five steady decode steps at the same concurrency, and a fresh batch's first steps up to its first
+all-decode step (its prefill). Writes int4_steps.json, int4_steps.md and the kernel summaries (kernels_MODE.txt, prefill_MODE.txt).
 """
 
 from __future__ import annotations
