@@ -123,7 +123,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             return StepTensors(*(torch.from_numpy(a) for a in arrays))
         tokens, positions, slots, tables, lens, starts, logits_for = arrays
-        (tokens, positions, slots, logits_for), wide = aligned_views(
+        (tokens, positions, slots, logits_for), _ = aligned_views(
             [tokens, positions, slots, logits_for], np.int64, lambda values: self.upload(values, torch.long))
         (tables, lens, starts), _ = aligned_views(
             [tables, lens, starts], np.int32, lambda values: self.upload(values, torch.int32))
