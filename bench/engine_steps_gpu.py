@@ -22,7 +22,6 @@ Writes engine_steps.json and engine_steps.md to --out.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
@@ -139,10 +138,7 @@ def main() -> None:
             if args.trace and max_seqs >= c and c == max(args.concurrency):
                 trace(engine, prompts, args)
         undo()
-        del engine
-        gc.collect()  # the wrappers (and the runner's CUDA graphs) hold the engine in reference cycles
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        engine.close()  # the wrappers and the runner's CUDA graphs hold the engine in frozen reference cycles
     with open(os.path.join(args.out, "engine_steps.json"), "w") as f:
         json.dump(rows, f, indent=1)
     header = ("| concurrency | look_ahead_max_seqs | kv blocks | steps | look-aheads | preemptions | tok/s | ms/step | "

@@ -311,10 +311,6 @@ def profile_decode(llm, args, vocab, variant: str) -> None:
 
 
 def run_fourfold_prefix(args) -> None:
-    import gc
-
-    import torch
-
     system = prompts_for(1, args.system_len, preset_vocab(args), seed=99)[0]
     for caching in (True, False):
         llm = build_llm(args, enable_prefix_caching=caching)
@@ -325,9 +321,7 @@ def run_fourfold_prefix(args) -> None:
         elapsed, tokens = timed_generate(llm, prompts, args.new_tokens)
         report({"variant": f"fourfold-prefix-{'on' if caching else 'off'}", "concurrency": 64, "tokens": tokens,
                 "seconds": elapsed, "tokens_per_s": tokens / elapsed, "prompt_len": len(prompts[0])})
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        llm.close()
 
 
 # ---------------------------------------------------------------- Hugging Face side

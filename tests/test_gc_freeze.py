@@ -1,6 +1,6 @@
 """The heap freeze after a CUDA engine is built (fourfold.infer.gc_freeze): frozen cycles outlive collections until
-`thaw`, a freeze made elsewhere is left alone, CPU engines do not freeze, and on CUDA a dropped engine's memory
-comes back when the next engine is built."""
+`thaw`, a freeze made elsewhere is left alone, CPU engines do not freeze, on CUDA a dropped engine's memory
+comes back when the next engine is built, and `close` gives it back at once."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import weakref
 import pytest
 import torch
 
+from fourfold.errors import ConfigError
 from fourfold.infer import gc_freeze
 from fourfold.infer.engine import LLMEngine
 from fourfold.infer.engine_config import EngineConfig
+from fourfold.infer.llm import LLM
+from fourfold.infer.requests import SamplingParams
 from fourfold.tokenizer import ByteTokenizer
 from tests.engine_helpers import tiny_model
 
@@ -81,3 +84,28 @@ def test_a_dropped_cuda_engine_is_freed_when_the_next_one_is_built():
         assert second.runner.pool.num_blocks > 0.9 * blocks  # the first pool's memory was given back
     finally:
         gc_freeze.thaw()
+
+
+def test_close_frees_the_runner_of_a_frozen_engine_that_is_still_referenced():
+    engine = LLMEngine.from_model(tiny_model(), ByteTokenizer(), EngineConfig(block_size=4, num_kv_blocks=16))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    runner = weakref.ref(engine.runner)
+    gc_freeze.freeze()  # as a CUDA engine's build leaves it
+    try:
+        engine.close()
+        assert runner() is None  # dropped and collected although `engine` itself is alive (its cycles were thawed)
+        assert not engine.has_unfinished()
+        with pytest.raises(ConfigError, match="closed"):
+            engine.add_request("b", [1, 2], SamplingParams(max_tokens=2))
+        with pytest.raises(ConfigError, match="closed"):
+            engine.step()
+        engine.close()  # a second close does nothing
+    finally:
+        gc_freeze.thaw()
+
+
+def test_llm_as_a_context_manager_closes_its_engine():
+    with LLM(tiny_model(), ByteTokenizer(), device="cpu", block_size=4, num_kv_blocks=16) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0), progress=False)
+        assert len(out[0].token_ids) == 3
+    assert llm.engine.runner is None

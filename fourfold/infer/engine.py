@@ -142,6 +142,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Queue a request (text or token ids); ConfigError for bad parameters or one that can never fit."""
+        self._check_open()
         params = params or SamplingParams()
         params.check()
         if request_id in self.requests:
@@ -168,10 +169,30 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._aborted) or self._pending is not None
 
+    def close(self) -> None:
+        """Give the engine's memory back now: its requests end, it lets go of its runner (the model's fused weights,
+        the KV pool, the CUDA graphs), a CUDA engine's heap freeze is undone (frozen objects are never collected, and
+        the runner's graphs hold it in reference cycles: `del engine` alone frees nothing until the next engine is
+        built) and the collector runs. Later calls do nothing; the engine takes no requests afterwards."""
+        if self.runner is None:
+            return
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self._aborted, self._pending, self.runner = [], None, None
+        gc_freeze.thaw()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.runner is None:
+            raise ConfigError("this engine was closed (LLMEngine.close); build a new one to run requests.")
+
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled model step; the outputs of every request that produced a token or finished
         (with `overlap`: those of the previous step, read back while this one runs)."""
+        self._check_open()
         outputs, self._aborted = self._aborted, []
         if not self.overlap:
             launched = self._launch()

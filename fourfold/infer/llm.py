@@ -61,6 +61,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Give the engine's GPU memory back now (LLMEngine.close); `with LLM(...) as llm:` calls it on exit."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = True) -> list[CompletionResult]:
         """Generate for every prompt (text or token ids); results in prompt order."""
