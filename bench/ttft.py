@@ -35,7 +35,8 @@ from fourfold.infer.requests import SamplingParams  # noqa: E402
 
 
 def first_token(engine, prompt: list[int]) -> tuple[float, float, int]:
-    """(ms to the first token's output, ms of the first step, that token) of one greedy request run to its end."""
+    """(ms to the first token's output, ms of the first step, that token) of one greedy request run to its end; the
+    engine must compute the whole prompt (its prefix cache is off: the same prompts run once per path)."""
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -47,13 +48,18 @@ def first_token(engine, prompt: list[int]) -> tuple[float, float, int]:
         outs = engine.step()
     ttft = time.perf_counter() - t0
     token = next(o.token_ids[0] for o in outs if o.token_ids)
+    cached = sum(o.cached_prompt_tokens for o in outs if o.finished)
     while engine.has_unfinished():
-        engine.step()
+        cached += sum(o.cached_prompt_tokens for o in engine.step() if o.finished)
+    if cached:
+        raise RuntimeError(f"{cached} prompt tokens came from the prefix cache: the prefill was not timed whole")
     return 1000 * ttft, 1000 * prefill, token
 
 
 def fourfold_rows(args, quant: str | None, vocab: int) -> list[dict]:
-    llm = gen.build_llm(args, quant)   # args.prefill_graph_tokens: the engine's setting when given
+    # args.prefill_graph_tokens: the engine's setting when given. No prefix cache: each path runs the same prompts,
+    # and the second would otherwise find them cached (runs before this fix timed the eager path on cached prompts)
+    llm = gen.build_llm(args, quant, enable_prefix_caching=False)
     engine, runner = llm.engine, llm.engine.runner
     graphs = runner.prefill_graphs
     gen.say(f"PROGRESS prefill graphs at {graphs.sizes if graphs else None}")
@@ -75,8 +81,8 @@ def fourfold_rows(args, quant: str | None, vocab: int) -> list[dict]:
             row[f"prefill_ms_{label}"] = statistics.median(r[1] for r in runs)
         rows.append(row)
         gen.say(f"RESULT {json.dumps(row)}")
-    del llm, engine, runner, graphs
-    torch.cuda.empty_cache()
+    del engine, runner, graphs
+    llm.close()   # the engine's memory back before the peer loads (a dropped engine stays frozen until the next build)
     return rows
 
 
